@@ -1,0 +1,178 @@
+"""Functions over Arrow record batches that Spark runs in its Python workers (mapInArrow).
+
+They hold no Spark objects, so they can be tested with plain pyarrow batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from kfed_spark.kernels import device_rng, local_step, nearest_center, nearest_device_center
+
+SQ_DIST_COL = "__kfed_sq_dist"
+"""Internal column: a row's squared distance to its global center, summed into the run's cost."""
+
+LOCAL_OUTPUT_ROWS = 4096
+"""Local-center rows gathered before a batch is sent back to Spark."""
+
+
+def feature_matrix(column: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
+    """(n, dim) float64 view of a list<double> column whose rows all have dim values."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    return values.reshape(len(column), dim)
+
+
+def device_runs(devices: np.ndarray) -> Iterator[tuple[object, int, int]]:
+    """(device, start, end) for each run of equal consecutive device ids."""
+    if len(devices) == 0:
+        return
+    change = np.flatnonzero(devices[1:] != devices[:-1]) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [len(devices)]])
+    for start, end in zip(starts, ends):
+        yield devices[start], int(start), int(end)
+
+
+@dataclass(frozen=True)
+class LocalStepSpec:
+    """What the local step needs inside a Python worker (pickled with the function: keep it small)."""
+
+    k: int
+    seed: int
+    max_iter: int
+    tol: float
+    dim: int
+    device_type: pa.DataType
+
+
+def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalStepSpec) -> Iterator[pa.RecordBatch]:
+    """Run alg. 1 once per device over batches of (device, features) rows sorted by device.
+
+    A device's rows may span several batches and a batch may hold several devices: rows are
+    buffered until the device id changes. Yields (device, local_cluster_id, center, n_points, sse).
+    """
+    out = _LocalCenterRows(spec.device_type)
+    pending_device, pending = None, []
+    for batch in batches:
+        devices = batch.column(0).to_numpy(zero_copy_only=False)
+        x = feature_matrix(batch.column(1), spec.dim)
+        for device, start, end in device_runs(devices):
+            if pending and device != pending_device:
+                out.add(pending_device, _cluster(pending_device, pending, spec))
+                pending = []
+            pending_device = device
+            pending.append(x[start:end])
+        if len(out) >= LOCAL_OUTPUT_ROWS:
+            yield out.flush()
+    if pending:
+        out.add(pending_device, _cluster(pending_device, pending, spec))
+    if len(out):
+        yield out.flush()
+
+
+def _cluster(device: object, parts: list[np.ndarray], spec: LocalStepSpec):
+    x = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return local_step(x, spec.k, device_rng(spec.seed, device), spec.max_iter, spec.tol)
+
+
+class _LocalCenterRows:
+    def __init__(self, device_type: pa.DataType):
+        self.device_type = device_type
+        self._reset()
+
+    def _reset(self) -> None:
+        self.devices, self.ids, self.centers, self.counts, self.sse = [], [], [], [], []
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def add(self, device: object, result) -> None:
+        m = len(result.counts)
+        self.devices.extend([device] * m)
+        self.ids.extend(range(m))
+        self.centers.append(result.centers)
+        self.counts.append(result.counts)
+        self.sse.append(result.sse)
+
+    def flush(self) -> pa.RecordBatch:
+        centers = np.concatenate(self.centers)
+        offsets = np.arange(0, centers.size + 1, centers.shape[1], dtype=np.int32)
+        batch = pa.RecordBatch.from_arrays(
+            [
+                pa.array(self.devices, type=self.device_type),
+                pa.array(self.ids, type=pa.int32()),
+                pa.ListArray.from_arrays(offsets, pa.array(centers.ravel())),
+                pa.array(np.concatenate(self.counts), type=pa.int64()),
+                pa.array(np.concatenate(self.sse), type=pa.float64()),
+            ],
+            names=["device_id", "local_cluster_id", "center", "n_points", "sse"],
+        )
+        self._reset()
+        return batch
+
+
+@dataclass(frozen=True)
+class LabelModel:
+    """Everything needed to label a row: each device's local centers and their global clusters.
+
+    Devices are rows of padded arrays: device_centers (devices, k', d), center_valid (devices,
+    k'), center_cluster (devices, k'). It travels to the workers inside the labelling function,
+    which Spark broadcasts once it is large.
+    """
+
+    devices: np.ndarray
+    device_centers: np.ndarray
+    center_valid: np.ndarray
+    center_cluster: np.ndarray
+    global_centers: np.ndarray
+    label_mode: str
+
+    @classmethod
+    def build(cls, devices, local_ids, centers, clusters, global_centers, label_mode) -> "LabelModel":
+        keys, slot = np.unique(np.asarray(devices), return_inverse=True)
+        width = int(np.max(local_ids)) + 1
+        device_centers = np.zeros((len(keys), width, centers.shape[1]))
+        center_valid = np.zeros((len(keys), width), dtype=bool)
+        center_cluster = np.full((len(keys), width), -1, dtype=np.int64)
+        device_centers[slot, local_ids] = centers
+        center_valid[slot, local_ids] = True
+        center_cluster[slot, local_ids] = clusters
+        return cls(keys, device_centers, center_valid, center_cluster, global_centers, label_mode)
+
+    def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(local_cluster_id, cluster_id, squared distance to the global center) per row."""
+        slots = pd.Index(self.devices).get_indexer(devices)
+        if np.any(slots < 0):
+            unknown = devices[np.flatnonzero(slots < 0)[0]]
+            raise ValueError(f"device {unknown!r} has no local centers in this model")
+        local, _ = nearest_device_center(x, slots, self.device_centers, self.center_valid)
+        if self.label_mode == "nearest":
+            cluster, sq_dist = nearest_center(x, self.global_centers)
+        else:
+            cluster = self.center_cluster[slots, local]
+            diff = x - self.global_centers[cluster]
+            sq_dist = np.einsum("ij,ij->i", diff, diff)
+        return local, cluster, sq_dist
+
+
+def label_batches(
+    batches: Iterator[pa.RecordBatch], model: LabelModel, device_col: str, features_col: str, dim: int
+) -> Iterator[pa.RecordBatch]:
+    """Append local_cluster_id, cluster_id and the squared distance to every row; drop the features column."""
+    for batch in batches:
+        devices = batch.column(device_col).to_numpy(zero_copy_only=False)
+        x = feature_matrix(batch.column(features_col), dim)
+        local, cluster, sq_dist = model.label(devices, x)
+        keep = [name for name in batch.schema.names if name != features_col]
+        yield pa.RecordBatch.from_arrays(
+            [batch.column(name) for name in keep]
+            + [pa.array(local, type=pa.int32()), pa.array(cluster, type=pa.int32()), pa.array(sq_dist)],
+            names=keep + ["local_cluster_id", "cluster_id", SQ_DIST_COL],
+        )

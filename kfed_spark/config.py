@@ -1,0 +1,179 @@
+"""Run configuration: YAML file plus dotted --set overrides, validated into frozen dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kfed_spark.errors import ConfigError
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+IDENTIFIER_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,2}$")
+INPUT_FORMATS = ("parquet", "delta", "csv", "json", "orc")
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    path: str | None = None
+    format: str = "parquet"
+    table: str | None = None
+    device_col: str = "device_id"
+    features_col: str | list[str] = "features"
+    truth_col: str | None = None
+    options: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    path: str | None = None
+    database: str | None = None
+
+
+@dataclass(frozen=True)
+class SparkConfig:
+    master: str | None = None
+    app_name: str = "kfed-spark"
+    conf: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KFedConfig:
+    input: InputConfig = field(default_factory=InputConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    spark: SparkConfig = field(default_factory=SparkConfig)
+    k: int = 8
+    k_per_device: int = 2
+    seed: int = 0
+    run_id: str | None = None
+    server_refine: str = "lloyd"
+    label_mode: str = "induced"
+    max_iter: int = 100
+    tol: float = 1e-8
+    local_partitions: int | None = None
+
+
+SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig}
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> KFedConfig:
+    """Read a YAML config (or start from the defaults), apply KEY=VALUE overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}".replace("\n", " ")) from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    return build_config(raw)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set a dotted key (`input.path=/data`) in the raw config; the value is read as YAML."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set takes KEY=VALUE, got {item!r}")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(value) if value.strip() else None
+
+
+def build_config(raw: dict[str, Any]) -> KFedConfig:
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section {key!r} must be a mapping")
+            values[key] = _section(key, SECTIONS[key], value)
+        elif key in _field_names(KFedConfig):
+            values[key] = value
+        else:
+            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(_field_names(KFedConfig)))}")
+    cfg = KFedConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _section(name: str, cls: type, raw: dict[str, Any]) -> Any:
+    unknown = set(raw) - _field_names(cls)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {name}.{sorted(unknown)[0]}; known keys in {name}: "
+            f"{', '.join(sorted(_field_names(cls)))}"
+        )
+    return cls(**raw)
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+def validate(cfg: KFedConfig) -> None:
+    _require_int("k", cfg.k, 1)
+    _require_int("k_per_device", cfg.k_per_device, 1)
+    if cfg.k_per_device > cfg.k:
+        raise ConfigError(f"k_per_device ({cfg.k_per_device}) must not exceed k ({cfg.k})")
+    _require_int("seed", cfg.seed, 0)
+    _require_int("max_iter", cfg.max_iter, 1)
+    if cfg.local_partitions is not None:
+        _require_int("local_partitions", cfg.local_partitions, 1)
+    if not isinstance(cfg.tol, (int, float)) or cfg.tol < 0:
+        raise ConfigError(f"tol must be a number >= 0, got {cfg.tol!r}")
+    if cfg.server_refine not in ("lloyd", "none"):
+        raise ConfigError(f"server_refine must be 'lloyd' or 'none', got {cfg.server_refine!r}")
+    if cfg.label_mode not in ("induced", "nearest"):
+        raise ConfigError(f"label_mode must be 'induced' or 'nearest', got {cfg.label_mode!r}")
+    if cfg.run_id is not None and not (isinstance(cfg.run_id, str) and RUN_ID_PATTERN.match(cfg.run_id)):
+        raise ConfigError(
+            f"run_id {cfg.run_id!r} is not allowed: use 1-128 letters, digits, '_', '.', ':' or '-', "
+            "starting with a letter or digit"
+        )
+    inp = cfg.input
+    if (inp.path is None) == (inp.table is None):
+        raise ConfigError("set exactly one of input.path and input.table")
+    if inp.table is not None and not TABLE_NAME_PATTERN.match(str(inp.table)):
+        raise ConfigError(f"input.table {inp.table!r} is not a table name like db.table")
+    if inp.format not in INPUT_FORMATS:
+        raise ConfigError(f"input.format must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
+    columns = [inp.device_col] + (inp.features_col if isinstance(inp.features_col, list) else [inp.features_col])
+    if not inp.features_col or any(not isinstance(c, str) or not c for c in columns):
+        raise ConfigError("input.device_col and input.features_col must be column names (features: one or a list)")
+    if cfg.output.path is None:
+        raise ConfigError("output.path is required: the folder the Delta tables are written under")
+    if "'" in str(cfg.output.path):
+        raise ConfigError("output.path must not contain a single quote")
+    if cfg.output.database is not None and not IDENTIFIER_PATTERN.match(str(cfg.output.database)):
+        raise ConfigError(f"output.database {cfg.output.database!r} is not a plain identifier")
+
+
+def resolve_run_id(cfg: KFedConfig) -> str:
+    """The configured run id, or one made from the current UTC time."""
+    return cfg.run_id or datetime.now(timezone.utc).strftime("run-%Y%m%dT%H%M%S%fZ")
+
+
+def as_dict(cfg: KFedConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

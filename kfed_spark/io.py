@@ -1,0 +1,97 @@
+"""All reads of the input and all Delta Lake reads and writes."""
+
+from __future__ import annotations
+
+import logging
+
+from delta.tables import DeltaTable
+from pyspark.errors import AnalysisException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StructType
+
+from kfed_spark.config import InputConfig, OutputConfig
+from kfed_spark.errors import InputError, KFedError
+
+log = logging.getLogger("kfed_spark")
+
+TABLES = ("labels", "centers", "local_centers", "quarantine", "runs")
+CSV_DEFAULTS = {"header": "true", "inferSchema": "true"}
+
+
+def read_input(spark: SparkSession, inp: InputConfig) -> DataFrame:
+    """The input table as a DataFrame, or an InputError that says what is missing."""
+    where = f"table {inp.table}" if inp.table else f"{inp.format} input {inp.path}"
+    try:
+        if inp.table:
+            return spark.read.table(inp.table)
+        options = {**(CSV_DEFAULTS if inp.format == "csv" else {}), **inp.options}
+        return spark.read.format(inp.format).options(**options).load(inp.path)
+    except AnalysisException as exc:
+        raise InputError(f"cannot read {where}: {first_line(exc)}") from None
+
+
+def first_line(exc: Exception) -> str:
+    """The first line of an exception's message: Spark's own messages carry a JVM trace after it."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class OutputTables:
+    """The Delta tables of one output location; each run owns the rows with its run_id."""
+
+    def __init__(self, spark: SparkSession, output: OutputConfig):
+        self.spark = spark
+        self.root = str(output.path).rstrip("/")
+        self.database = output.database
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def read(self, name: str) -> DataFrame:
+        return self.spark.read.format("delta").load(self.path(name))
+
+    def exists(self, name: str) -> bool:
+        return DeltaTable.isDeltaTable(self.spark, self.path(name))
+
+    def check_schema(self, name: str, schema: StructType) -> None:
+        """Fail before any work if a table already at the location has another schema."""
+        if not self.exists(name):
+            return
+        existing = {(f.name, f.dataType.simpleString()) for f in self.read(name).schema.fields}
+        wanted = {(f.name, f.dataType.simpleString()) for f in schema.fields}
+        if existing != wanted:
+            extra = sorted(n for n, _ in existing - wanted)
+            missing = sorted(n for n, _ in wanted - existing)
+            raise KFedError(
+                f"output table {self.path(name)} holds another schema (columns only in the table: "
+                f"{extra or 'none'}; only in this run: {missing or 'none'}); use another output.path"
+            )
+
+    def replace_run(self, name: str, df: DataFrame, run_id: str) -> None:
+        """Atomically replace this run's rows of one table (Delta replaceWhere); other runs stay."""
+        path = self.path(name)
+        (
+            DeltaTable.createIfNotExists(self.spark)
+            .location(path)
+            .addColumns(df.schema)
+            .execute()
+        )
+        (
+            df.write.format("delta")
+            .mode("overwrite")
+            .option("replaceWhere", f"run_id = '{run_id}'")
+            .option("userMetadata", f"kfed-spark run {run_id}")
+            .save(path)
+        )
+        log.info("wrote %s for run %s", path, run_id)
+
+    def register(self) -> None:
+        """Name the tables in the catalog as <database>.<table>, for SQL users."""
+        if not self.database:
+            return
+        self.spark.sql(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+        for name in TABLES:
+            if self.exists(name):
+                self.spark.sql(
+                    f"CREATE TABLE IF NOT EXISTS {self.database}.{name} USING DELTA LOCATION '{self.path(name)}'"
+                )

@@ -1,0 +1,287 @@
+"""Numeric kernels of k-FED (Dennis, Li and Smith, ICML 2021): pure numpy, no Spark.
+
+The local step (alg. 1) runs on one device's rows, the server step (alg. 2) on the
+driver over all local centers. Spark code calls these functions; they never call Spark.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+MARGIN = 3.0
+"""Alg. 1 keeps a point for a rough center r when it is MARGIN times closer to r than to any other."""
+
+ROUGH_LLOYD_ITERATIONS = 10
+"""Lloyd steps after k-means++ in the projection: the analysis only needs a constant-factor start."""
+
+RANDOMIZED_SVD_MIN_DIM = 512
+"""Devices with at least this many features use a seeded randomized SVD instead of an exact one."""
+
+DISTANCE_CHUNK_ELEMENTS = 1 << 22
+"""Distance matrices are built in row chunks of at most this many entries (32 MiB of float64)."""
+
+
+@dataclass(frozen=True)
+class LocalClustering:
+    """What one device shares: its centers, their point counts and sums of squared errors."""
+
+    centers: np.ndarray  # (m, d) float64
+    counts: np.ndarray  # (m,) int64
+    sse: np.ndarray  # (m,) float64
+
+
+@dataclass(frozen=True)
+class ServerClustering:
+    """Global centers and, for every local center, the global cluster it belongs to."""
+
+    centers: np.ndarray  # (k, d) float64
+    assignment: np.ndarray  # (m,) int64, in the order the local centers were given
+    seed_device: object  # the device whose centers seeded the farthest-point search
+    refine_iterations: int
+
+
+def device_rng(seed: int, device_id: object) -> np.random.Generator:
+    """A generator seeded from (run seed, device id) alone, so partitioning and retries do not matter."""
+    if isinstance(device_id, (int, np.integer)):
+        tag, key = 0, int(device_id) & 0xFFFFFFFFFFFFFFFF
+    else:
+        digest = hashlib.blake2b(str(device_id).encode("utf-8"), digest_size=8).digest()
+        tag, key = 1, int.from_bytes(digest, "little")
+    return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, tag, key])
+
+
+def squared_distances(x: np.ndarray, centers: np.ndarray) -> np.ndarray:
+    """(n, k) squared Euclidean distances as |x|^2 - 2 x.c + |c|^2 (one matrix product), clipped at 0."""
+    x_sq = np.einsum("ij,ij->i", x, x)
+    c_sq = np.einsum("ij,ij->i", centers, centers)
+    dist = x @ centers.T
+    dist *= -2.0
+    dist += x_sq[:, None]
+    dist += c_sq[None, :]
+    np.maximum(dist, 0.0, out=dist)
+    return dist
+
+
+def nearest_center(x: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of and squared distance to the nearest center for every row, in bounded-memory chunks."""
+    n = len(x)
+    labels = np.empty(n, dtype=np.int64)
+    best = np.empty(n, dtype=np.float64)
+    step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, len(centers)))
+    for start in range(0, n, step):
+        dist = squared_distances(x[start : start + step], centers)
+        labels[start : start + step] = np.argmin(dist, axis=1)
+        best[start : start + step] = dist[np.arange(len(dist)), labels[start : start + step]]
+    return labels, best
+
+
+def weighted_means(
+    x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-label weighted sums divided by per-label weights; also returns the weights (0 for empty)."""
+    mass = np.bincount(labels, weights=weights, minlength=k)
+    order = np.argsort(labels, kind="stable")
+    sorted_labels = labels[order]
+    present = np.flatnonzero(mass > 0)
+    starts = np.searchsorted(sorted_labels, present)
+    sums = np.zeros((k, x.shape[1]))
+    if len(present):
+        sums[present] = np.add.reduceat(x[order] * weights[order, None], starts, axis=0)
+    means = np.divide(sums, mass[:, None], out=np.zeros_like(sums), where=mass[:, None] > 0)
+    return means, mass
+
+
+def kmeans_plusplus(
+    x: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Greedy k-means++ seeding over weighted rows; returns the chosen row indices.
+
+    Each step draws 2 + log(k) candidates with probability proportional to weight times squared
+    distance and keeps the one that lowers the potential most (Arthur and Vassilvitskii 2007,
+    as scikit-learn does): single-draw k-means++ often puts two seeds in one cluster.
+    """
+    trials = 2 + int(np.log(k))
+    chosen = [_draw(np.cumsum(weights), rng, 1)[0]]
+    closest = squared_distances(x, x[chosen]).ravel()
+    for _ in range(1, k):
+        cumulative = np.cumsum(weights * closest)
+        if cumulative[-1] <= 0.0:
+            break
+        candidates = _draw(cumulative, rng, trials)
+        candidate_closest = np.minimum(closest[None, :], squared_distances(x[candidates], x))
+        best = int(np.argmin(candidate_closest @ weights))
+        chosen.append(int(candidates[best]))
+        closest = candidate_closest[best]
+    return np.asarray(chosen, dtype=np.int64)
+
+
+def _draw(cumulative: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
+    """Indices drawn with probability proportional to the increments of cumulative."""
+    picks = np.searchsorted(cumulative, rng.random(size) * cumulative[-1], side="right")
+    return np.minimum(picks, len(cumulative) - 1)
+
+
+def lloyd(
+    x: np.ndarray,
+    weights: np.ndarray,
+    centers: np.ndarray,
+    max_iter: int,
+    tol: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Weighted Lloyd from the given centers until assignments stop changing.
+
+    Also stops after max_iter rounds or once no center moves more than tol (squared, relative
+    to the data's mean squared norm). An emptied cluster keeps its previous center.
+    Returns (centers, labels of the returned centers, rounds run).
+    """
+    centers = np.array(centers, dtype=np.float64)
+    k = len(centers)
+    scale = float(np.average(np.einsum("ij,ij->i", x, x), weights=weights)) or 1.0
+    labels, _ = nearest_center(x, centers)
+    rounds = 0
+    while rounds < max_iter:
+        rounds += 1
+        means, mass = weighted_means(x, weights, labels, k)
+        moved = mass > 0
+        shift = float(np.max(np.sum((means[moved] - centers[moved]) ** 2, axis=1), initial=0.0))
+        centers[moved] = means[moved]
+        new_labels, _ = nearest_center(x, centers)
+        if np.array_equal(new_labels, labels) or shift <= tol * scale:
+            labels = new_labels
+            break
+        labels = new_labels
+    return centers, labels, rounds
+
+
+def top_right_singular_vectors(
+    x: np.ndarray, weights: np.ndarray, rank: int, rng: np.random.Generator
+) -> np.ndarray:
+    """(rank, d) top right singular vectors of the weighted rows sqrt(w) * x."""
+    a = x * np.sqrt(weights)[:, None]
+    if x.shape[1] < RANDOMIZED_SVD_MIN_DIM:
+        return np.linalg.svd(a, full_matrices=False)[2][:rank]
+    # Randomized range finder (Halko, Martinsson and Tropp 2011) with two power iterations.
+    sketch = a @ rng.standard_normal((x.shape[1], min(x.shape[1], rank + 10)))
+    for _ in range(2):
+        sketch = a @ (a.T @ np.linalg.qr(sketch)[0])
+    basis = np.linalg.qr(sketch)[0]
+    return np.linalg.svd(basis.T @ a, full_matrices=False)[2][:rank]
+
+
+def margin_initial_centers(
+    x: np.ndarray, projected: np.ndarray, weights: np.ndarray, rough: np.ndarray
+) -> np.ndarray:
+    """Alg. 1's initial centers: for each rough center, the mean of the ORIGINAL rows of the points
+    that are at least MARGIN times closer to it than to any other rough center.
+
+    A rough center that keeps no point falls back to the mean of its whole cell.
+    """
+    k = len(rough)
+    dist = np.sqrt(squared_distances(projected, rough))
+    labels = np.argmin(dist, axis=1)
+    if k > 1:
+        nearest_two = np.partition(dist, 1, axis=1)[:, :2]
+        kept = MARGIN * nearest_two[:, 0] <= nearest_two[:, 1]
+    else:
+        kept = np.ones(len(x), dtype=bool)
+    margin_means, margin_mass = weighted_means(x[kept], weights[kept], labels[kept], k)
+    cell_means, _ = weighted_means(x, weights, labels, k)
+    return np.where(margin_mass[:, None] > 0, margin_means, cell_means)
+
+
+def local_step(
+    x: np.ndarray, k: int, rng: np.random.Generator, max_iter: int = 100, tol: float = 1e-8
+) -> LocalClustering:
+    """Alg. 1 on one device's rows x (n, d): at most k local centers with counts and SSE.
+
+    Rows are deduplicated first (np.unique sorts them), so duplicates cost nothing and the
+    result does not depend on the order the rows arrived in. A device with at most k distinct
+    rows returns those rows with their multiplicities.
+    """
+    distinct, counts = np.unique(np.asarray(x, dtype=np.float64), axis=0, return_counts=True)
+    if len(distinct) <= k:
+        return LocalClustering(distinct, counts.astype(np.int64), np.zeros(len(distinct)))
+    weights = counts.astype(np.float64)
+    rank = min(k, distinct.shape[1])
+    projected = distinct @ top_right_singular_vectors(distinct, weights, rank, rng).T
+    rough = projected[kmeans_plusplus(projected, weights, k, rng)]
+    rough, _, _ = lloyd(projected, weights, rough, ROUGH_LLOYD_ITERATIONS)
+    initial = margin_initial_centers(distinct, projected, weights, rough)
+    centers, labels, _ = lloyd(distinct, weights, initial, max_iter, tol)
+    _, sq_dist = nearest_center(distinct, centers)
+    mass = np.bincount(labels, weights=weights, minlength=k)
+    sse = np.bincount(labels, weights=weights * sq_dist, minlength=k)
+    keep = mass > 0
+    return LocalClustering(centers[keep], mass[keep].astype(np.int64), sse[keep])
+
+
+def server_step(
+    centers: np.ndarray,
+    counts: np.ndarray,
+    device_ids: np.ndarray,
+    k: int,
+    refine: str = "lloyd",
+    max_iter: int = 300,
+    tol: float = 0.0,
+) -> ServerClustering:
+    """Alg. 2: merge all devices' local centers into k global clusters.
+
+    The seed set is the centers of the device with the most local centers (ties: smallest id);
+    farthest-point additions keep every local center's distance to the seed set up to date
+    (O(m d) per added seed). Every local center then goes to its nearest seed; refine="lloyd"
+    runs Lloyd over the local centers weighted by their point counts, refine="none" keeps the
+    seeds as the global centers. Local centers are put in (device, position) order first, so the
+    result does not depend on the order the devices were given in.
+    """
+    if refine not in ("lloyd", "none"):
+        raise ValueError(f"server_refine must be 'lloyd' or 'none', not {refine!r}")
+    centers = np.asarray(centers, dtype=np.float64)
+    device_ids = np.asarray(device_ids)
+    order = np.argsort(device_ids, kind="stable")
+    ordered = centers[order]
+    ordered_devices = device_ids[order]
+    devices, first, per_device = np.unique(ordered_devices, return_index=True, return_counts=True)
+    seed_index = int(np.argmax(per_device))
+    seeds = list(range(first[seed_index], first[seed_index] + per_device[seed_index]))
+    if len(seeds) > k:
+        raise ValueError(f"device {devices[seed_index]!r} has {len(seeds)} local centers, more than k = {k}")
+    _, to_seeds = nearest_center(ordered, ordered[seeds])
+    while len(seeds) < k:
+        farthest = int(np.argmax(to_seeds))
+        if to_seeds[farthest] <= 0.0:
+            raise ValueError(
+                f"k = {k} is more than the {len(seeds)} distinct local centers the devices provide; "
+                f"lower k or raise k_per_device"
+            )
+        seeds.append(farthest)
+        np.minimum(to_seeds, squared_distances(ordered, ordered[farthest : farthest + 1])[:, 0], out=to_seeds)
+    global_centers = ordered[seeds].copy()
+    weights = np.asarray(counts, dtype=np.float64)[order]
+    rounds = 0
+    if refine == "lloyd":
+        global_centers, ordered_assignment, rounds = lloyd(ordered, weights, global_centers, max_iter, tol)
+    else:
+        ordered_assignment, _ = nearest_center(ordered, global_centers)
+    assignment = np.empty_like(ordered_assignment)
+    assignment[order] = ordered_assignment
+    return ServerClustering(global_centers, assignment, devices[seed_index], rounds)
+
+
+def nearest_device_center(
+    x: np.ndarray, slots: np.ndarray, device_centers: np.ndarray, device_center_valid: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each row, the nearest of its own device's local centers.
+
+    device_centers is (devices, k', d), padded; device_center_valid (devices, k') marks real
+    centers; slots gives each row's device index. Returns (local index, squared distance).
+    """
+    rows = device_centers[slots]
+    dist = np.einsum("ij,ij->i", x, x)[:, None] - 2.0 * np.einsum("ij,ikj->ik", x, rows)
+    dist += np.einsum("ikj,ikj->ik", rows, rows)
+    np.maximum(dist, 0.0, out=dist)
+    dist[~device_center_valid[slots]] = np.inf
+    labels = np.argmin(dist, axis=1)
+    return labels, dist[np.arange(len(x)), labels]

@@ -1,0 +1,363 @@
+"""The k-FED Spark job: validate, local step per device, server step, labels, Delta tables.
+
+input --> validate --> repartition(device) --> mapInArrow: alg. 1 per device --> local centers
+      --> collect --> alg. 2 on the driver --> labelling function (broadcast) --> Delta tables
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib.metadata import version
+
+import numpy as np
+import pyarrow as pa
+from pyspark.ml.functions import vector_to_array
+from pyspark.ml.linalg import VectorUDT
+from pyspark.sql import Column, DataFrame, Observation, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import to_arrow_type
+from pyspark.sql.types import (
+    ArrayType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    MapType,
+    NumericType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from kfed_spark.batches import (
+    SQ_DIST_COL,
+    LabelModel,
+    LocalStepSpec,
+    label_batches,
+    local_centers_from_batches,
+)
+from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
+from kfed_spark.errors import InputError, KFedError
+from kfed_spark.io import OutputTables, read_input
+from kfed_spark.kernels import server_step
+from kfed_spark.metrics import adjusted_rand_index
+
+log = logging.getLogger("kfed_spark")
+
+FEATURES_COL = "__kfed_features"
+REASON_COL = "__kfed_reason"
+ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id")
+
+RUNS_SCHEMA = StructType(
+    [
+        StructField("run_id", StringType(), False),
+        StructField("status", StringType(), False),
+        StructField("started_at", TimestampType(), False),
+        StructField("finished_at", TimestampType(), False),
+        StructField("input", StringType(), False),
+        StructField("k", IntegerType(), False),
+        StructField("k_per_device", IntegerType(), False),
+        StructField("seed", LongType(), False),
+        StructField("server_refine", StringType(), False),
+        StructField("label_mode", StringType(), False),
+        StructField("dim", IntegerType(), False),
+        StructField("n_input", LongType(), False),
+        StructField("n_labelled", LongType(), False),
+        StructField("n_quarantined", LongType(), False),
+        StructField("n_devices", LongType(), False),
+        StructField("n_local_centers", LongType(), False),
+        StructField("cost", DoubleType(), False),
+        StructField("ari", DoubleType(), True),
+        StructField("timings", MapType(StringType(), DoubleType()), False),
+        StructField("config", StringType(), False),
+        StructField("versions", MapType(StringType(), StringType()), False),
+    ]
+)
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports; the same figures are in its row of the runs table."""
+
+    run_id: str
+    n_input: int
+    n_labelled: int
+    n_quarantined: int
+    n_devices: int
+    n_local_centers: int
+    dim: int
+    cost: float
+    ari: float | None
+    output_path: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class StageTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - start, 3)
+        log.info("stage %s took %.2f s", name, self.seconds[name])
+
+
+def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
+    """Cluster the configured input with k-FED and write this run's slice of every output table."""
+    run_id = resolve_run_id(cfg)
+    started_at = datetime.now(timezone.utc)
+    timer = StageTimer()
+    tables = OutputTables(spark, cfg.output)
+    device_col = cfg.input.device_col
+
+    with timer.stage("validate"):
+        raw = read_input(spark, cfg.input)
+        checked, dim = validated(raw, cfg)
+        labels_schema = StructType(
+            list(raw.schema.fields)
+            + [
+                StructField("local_cluster_id", IntegerType(), True),
+                StructField("cluster_id", IntegerType(), True),
+                StructField("run_id", StringType(), False),
+            ]
+        )
+        tables.check_schema("labels", labels_schema)
+    valid = checked.filter(F.col(REASON_COL).isNull()).drop(REASON_COL)
+
+    with timer.stage("local_step"):
+        local = collect_local_centers(valid, cfg, dim, raw.schema[device_col].dataType)
+    if local.num_rows == 0:
+        raise InputError(f"no row of the input can be clustered (all {raw.count()} rows are bad; see quarantine)")
+
+    with timer.stage("server_step"):
+        local_devices = local.column("device_id").to_numpy(zero_copy_only=False)
+        local_ids = local.column("local_cluster_id").to_numpy()
+        local_centers = np.asarray(local.column("center").combine_chunks().flatten()).reshape(-1, dim)
+        counts = local.column("n_points").to_numpy()
+        n_local = len(counts)
+        if n_local < cfg.k:
+            raise KFedError(
+                f"k = {cfg.k} but the devices provide only {n_local} local centers; "
+                "lower k or raise k_per_device"
+            )
+        try:
+            server = server_step(local_centers, counts, local_devices, cfg.k, cfg.server_refine, tol=cfg.tol)
+        except ValueError as exc:
+            raise KFedError(str(exc)) from None
+        log.info(
+            "server step: %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
+            n_local, len(np.unique(local_devices)), cfg.k, server.seed_device, server.refine_iterations,
+        )
+
+    with timer.stage("labels"):
+        model = LabelModel.build(local_devices, local_ids, local_centers, server.assignment,
+                                 server.centers, cfg.label_mode)
+        labelled = label_rows(valid, model, raw.schema, device_col, dim)
+        written = Observation("kfed_labels")
+        labels = labelled.observe(
+            written, F.count(F.lit(1)).alias("rows"), F.sum(SQ_DIST_COL).alias("cost")
+        ).drop(SQ_DIST_COL).withColumn("run_id", F.lit(run_id))
+        tables.replace_run("labels", labels, run_id)
+        n_labelled, cost = int(written.get["rows"]), float(written.get["cost"] or 0.0)
+
+    with timer.stage("other_tables"):
+        quarantined = Observation("kfed_quarantine")
+        tables.replace_run(
+            "quarantine",
+            checked.filter(F.col(REASON_COL).isNotNull())
+            .drop(FEATURES_COL)
+            .withColumnRenamed(REASON_COL, "reason")
+            .withColumn("run_id", F.lit(run_id))
+            .observe(quarantined, F.count(F.lit(1)).alias("rows")),
+            run_id,
+        )
+        n_quarantined = int(quarantined.get["rows"])
+        local_with_cluster = local.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
+        tables.replace_run(
+            "local_centers",
+            spark.createDataFrame(local_with_cluster.to_pandas()).withColumn("run_id", F.lit(run_id)),
+            run_id,
+        )
+        tables.replace_run("centers", centers_frame(spark, server.centers, server.assignment, counts,
+                                                    local_devices, run_id), run_id)
+
+    n_input = raw.count()
+    if n_input != n_labelled + n_quarantined:
+        raise KFedError(
+            f"row accounting failed: {n_input} input rows but {n_labelled} labelled + {n_quarantined} quarantined"
+        )
+    ari = None
+    if cfg.input.truth_col:
+        with timer.stage("evaluate"):
+            ari = truth_ari(tables.read("labels").filter(F.col("run_id") == run_id), cfg.input.truth_col)
+
+    result = RunResult(
+        run_id=run_id,
+        n_input=n_input,
+        n_labelled=n_labelled,
+        n_quarantined=n_quarantined,
+        n_devices=len(model.devices),
+        n_local_centers=n_local,
+        dim=dim,
+        cost=cost,
+        ari=ari,
+        output_path=tables.root,
+        timings=timer.seconds,
+    )
+    tables.replace_run("runs", runs_frame(spark, cfg, result, started_at), run_id)
+    tables.register()
+    log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, n_labelled, n_quarantined, cost)
+    return result
+
+
+def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
+    """The input with a double-array features column and a reason column (null for good rows).
+
+    A row is bad when its device is null, its features are null or empty, hold a null, NaN or
+    infinite value, or have another length than the table's dimension (the most common length).
+    """
+    inp = cfg.input
+    columns = set(raw.columns)
+    if inp.device_col not in columns:
+        raise InputError(f"input has no device column {inp.device_col!r}; columns: {', '.join(raw.columns)}")
+    clashes = [c for c in (*ADDED_COLUMNS, FEATURES_COL, REASON_COL) if c in columns]
+    if clashes:
+        raise InputError(f"input already has column(s) {', '.join(clashes)}, which the output adds; rename them")
+    prepared = raw.withColumn(FEATURES_COL, features_column(raw, inp.features_col))
+    sizes = (
+        prepared.select(F.size(FEATURES_COL).alias("dim"))
+        .filter("dim > 0")
+        .groupBy("dim")
+        .count()
+        .orderBy(F.desc("count"), "dim")
+        .first()
+    )
+    if sizes is None:
+        if raw.isEmpty():
+            raise InputError("the input has no rows")
+        raise InputError("no row of the input has any feature values")
+    dim = int(sizes["dim"])
+    feature = F.col(FEATURES_COL)
+    value_is_bad = lambda v: v.isNull() | F.isnan(v) | (F.abs(v) == F.lit(float("inf")))  # noqa: E731
+    reason = (
+        F.when(F.col(inp.device_col).isNull(), "null_device")
+        .when(feature.isNull(), "null_features")
+        .when(F.size(feature) == 0, "empty_features")
+        .when(F.size(feature) != dim, F.lit(f"wrong_dimension (expected {dim})"))
+        .when(F.exists(feature, value_is_bad), "non_finite_value")
+    )
+    return prepared.withColumn(REASON_COL, reason), dim
+
+
+def features_column(df: DataFrame, features: str | list[str]) -> Column:
+    """The features as array<double>, from an array column, a vector column or numeric columns."""
+    names = features if isinstance(features, list) else [features]
+    missing = [name for name in names if name not in df.columns]
+    if missing:
+        raise InputError(f"input has no feature column(s) {', '.join(map(repr, missing))}; columns: {', '.join(df.columns)}")
+    types = {name: df.schema[name].dataType for name in names}
+    if isinstance(features, list):
+        wrong = [name for name, t in types.items() if not isinstance(t, NumericType)]
+        if wrong:
+            raise InputError(f"feature column(s) {', '.join(wrong)} are not numeric")
+        return F.array(*[F.col(name).cast("double") for name in names])
+    kind = types[features]
+    if isinstance(kind, VectorUDT):
+        return vector_to_array(F.col(features))
+    if isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
+        return F.col(features).cast("array<double>")
+    raise InputError(
+        f"feature column {features!r} has type {kind.simpleString()}; expected array of numbers, "
+        "a Spark ML vector, or a list of numeric columns"
+    )
+
+
+def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> pa.Table:
+    """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
+    spec = LocalStepSpec(cfg.k_per_device, cfg.seed, cfg.max_iter, cfg.tol, dim, to_arrow_type(device_type))
+    schema = StructType(
+        [
+            StructField("device_id", device_type, False),
+            StructField("local_cluster_id", IntegerType(), False),
+            StructField("center", ArrayType(DoubleType(), False), False),
+            StructField("n_points", LongType(), False),
+            StructField("sse", DoubleType(), False),
+        ]
+    )
+    device = F.col(cfg.input.device_col).alias("device_id")
+    rows = valid.select(device, F.col(FEATURES_COL))
+    partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
+    shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
+    return shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema).toArrow()
+
+
+def label_rows(valid: DataFrame, model: LabelModel, raw_schema: StructType, device_col: str, dim: int) -> DataFrame:
+    """Every valid row with its local and global cluster (and, internally, its squared distance)."""
+    schema = StructType(
+        list(raw_schema.fields)
+        + [
+            StructField("local_cluster_id", IntegerType(), False),
+            StructField("cluster_id", IntegerType(), False),
+            StructField(SQ_DIST_COL, DoubleType(), False),
+        ]
+    )
+    return valid.mapInArrow(lambda batches: label_batches(batches, model, device_col, FEATURES_COL, dim), schema)
+
+
+def centers_frame(spark, centers, assignment, counts, devices, run_id: str) -> DataFrame:
+    k = len(centers)
+    n_points = np.bincount(assignment, weights=counts, minlength=k).astype(np.int64)
+    pairs = np.unique(np.stack([assignment, np.unique(devices, return_inverse=True)[1]]), axis=1)
+    n_devices = np.bincount(pairs[0], minlength=k)
+    schema = StructType(
+        [
+            StructField("run_id", StringType(), False),
+            StructField("cluster_id", IntegerType(), False),
+            StructField("center", ArrayType(DoubleType(), False), False),
+            StructField("n_points", LongType(), False),
+            StructField("n_devices", LongType(), False),
+        ]
+    )
+    rows = [(run_id, c, centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
+    return spark.createDataFrame(rows, schema)
+
+
+def truth_ari(labels: DataFrame, truth_col: str) -> float:
+    """ARI of cluster_id against a ground-truth column, from a contingency table built in Spark."""
+    table = labels.groupBy(truth_col, "cluster_id").count().toPandas()
+    return adjusted_rand_index(table[truth_col].to_numpy(), table["cluster_id"].to_numpy(), table["count"].to_numpy())
+
+
+def runs_frame(spark, cfg: KFedConfig, result: RunResult, started_at: datetime) -> DataFrame:
+    inp = cfg.input
+    row = {
+        "run_id": result.run_id,
+        "status": "succeeded",
+        "started_at": started_at,
+        "finished_at": datetime.now(timezone.utc),
+        "input": inp.table or f"{inp.format}:{inp.path}",
+        "k": cfg.k,
+        "k_per_device": cfg.k_per_device,
+        "seed": cfg.seed,
+        "server_refine": cfg.server_refine,
+        "label_mode": cfg.label_mode,
+        "dim": result.dim,
+        "n_input": result.n_input,
+        "n_labelled": result.n_labelled,
+        "n_quarantined": result.n_quarantined,
+        "n_devices": result.n_devices,
+        "n_local_centers": result.n_local_centers,
+        "cost": result.cost,
+        "ari": result.ari,
+        "timings": result.timings,
+        "config": json.dumps(as_dict(cfg), sort_keys=True),
+        "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},
+    }
+    return spark.createDataFrame([row], RUNS_SCHEMA)
