@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kfed_spark.kernels import device_rng, local_step, nearest_center, nearest_device_center
+from kfed_spark.kernels import device_rng, local_step, nearest_center, nearest_device_center, plain
 
 SQ_DIST_COL = "__kfed_sq_dist"
 """Internal column: a row's squared distance to its global center, summed into the run's cost."""
@@ -150,7 +150,7 @@ class LabelModel:
         """(local_cluster_id, cluster_id, squared distance to the global center) per row."""
         slots = pd.Index(self.devices).get_indexer(devices)
         if np.any(slots < 0):
-            unknown = devices[np.flatnonzero(slots < 0)[0]]
+            unknown = plain(devices[np.flatnonzero(slots < 0)[0]])
             raise ValueError(f"device {unknown!r} has no local centers in this model")
         local, _ = nearest_device_center(x, slots, self.device_centers, self.center_valid)
         if self.label_mode == "nearest":

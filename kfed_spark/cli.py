@@ -24,15 +24,32 @@ def main(argv: list[str] | None = None) -> int:
     except KFedError as exc:
         print(f"kfed-spark: error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # a Spark or JVM failure: one line, the full trace stays in the log above
-        from pyspark.errors import PySparkException
-
-        if not isinstance(exc, PySparkException):
+    except Exception as exc:
+        message = spark_failure(exc)
+        if message is None:
             raise
-        from kfed_spark.io import first_line
-
-        print(f"kfed-spark: error: Spark failed: {first_line(exc)}", file=sys.stderr)
+        print(f"kfed-spark: error: {message}", file=sys.stderr)
         return 1
+
+
+def spark_failure(exc: Exception) -> str | None:
+    """One line for a failure raised by Spark or its JVM (the full trace stays in Spark's log), or None."""
+    from py4j.protocol import Py4JJavaError
+    from pyspark.errors import PySparkException
+
+    from kfed_spark.io import first_line
+
+    if isinstance(exc, Py4JJavaError):
+        text = first_line(Exception(str(exc.java_exception)))
+    elif isinstance(exc, PySparkException):
+        text = first_line(exc)
+    else:
+        return None
+    if "delta" in text.lower() and ("ClassNotFoundException" in text or "Cannot find" in text):
+        from kfed_spark.session import delta_package
+
+        return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {delta_package()}"
+    return f"Spark failed: {text}"
 
 
 def build_parser() -> argparse.ArgumentParser:

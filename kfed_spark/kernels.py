@@ -53,6 +53,11 @@ def device_rng(seed: int, device_id: object) -> np.random.Generator:
     return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, tag, key])
 
 
+def plain(value: object) -> object:
+    """A numpy scalar as the Python value it holds (for messages and results); others unchanged."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def squared_distances(x: np.ndarray, centers: np.ndarray) -> np.ndarray:
     """(n, k) squared Euclidean distances as |x|^2 - 2 x.c + |c|^2 (one matrix product), clipped at 0."""
     x_sq = np.einsum("ij,ij->i", x, x)
@@ -222,6 +227,7 @@ def server_step(
     centers: np.ndarray,
     counts: np.ndarray,
     device_ids: np.ndarray,
+    local_ids: np.ndarray,
     k: int,
     refine: str = "lloyd",
     max_iter: int = 300,
@@ -240,14 +246,15 @@ def server_step(
         raise ValueError(f"server_refine must be 'lloyd' or 'none', not {refine!r}")
     centers = np.asarray(centers, dtype=np.float64)
     device_ids = np.asarray(device_ids)
-    order = np.argsort(device_ids, kind="stable")
+    by_local_id = np.argsort(local_ids, kind="stable")
+    order = by_local_id[np.argsort(device_ids[by_local_id], kind="stable")]
     ordered = centers[order]
     ordered_devices = device_ids[order]
     devices, first, per_device = np.unique(ordered_devices, return_index=True, return_counts=True)
     seed_index = int(np.argmax(per_device))
     seeds = list(range(first[seed_index], first[seed_index] + per_device[seed_index]))
     if len(seeds) > k:
-        raise ValueError(f"device {devices[seed_index]!r} has {len(seeds)} local centers, more than k = {k}")
+        raise ValueError(f"device {plain(devices[seed_index])!r} has {len(seeds)} local centers, more than k = {k}")
     _, to_seeds = nearest_center(ordered, ordered[seeds])
     while len(seeds) < k:
         farthest = int(np.argmax(to_seeds))
@@ -267,7 +274,7 @@ def server_step(
         ordered_assignment, _ = nearest_center(ordered, global_centers)
     assignment = np.empty_like(ordered_assignment)
     assignment[order] = ordered_assignment
-    return ServerClustering(global_centers, assignment, devices[seed_index], rounds)
+    return ServerClustering(global_centers, assignment, plain(devices[seed_index]), rounds)
 
 
 def nearest_device_center(

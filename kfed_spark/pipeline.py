@@ -148,7 +148,7 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
                 "lower k or raise k_per_device"
             )
         try:
-            server = server_step(local_centers, counts, local_devices, cfg.k, cfg.server_refine, tol=cfg.tol)
+            server = server_step(local_centers, counts, local_devices, local_ids, cfg.k, cfg.server_refine, tol=cfg.tol)
         except ValueError as exc:
             raise KFedError(str(exc)) from None
         log.info(

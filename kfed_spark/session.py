@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from importlib.metadata import version
 
 from pyspark.sql import SparkSession
 
@@ -37,3 +38,10 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
 
         builder = configure_spark_with_delta_pip(builder)
     return builder.getOrCreate()
+
+
+def delta_package() -> str:
+    """The Maven coordinate of the Delta jar matching the installed pyspark and delta-spark,
+    for `spark-submit --packages` (the same rule configure_spark_with_delta_pip follows)."""
+    spark_minor = ".".join(version("pyspark").split(".")[:2])
+    return f"io.delta:delta-spark_{spark_minor}_2.13:{version('delta-spark')}"

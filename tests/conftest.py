@@ -1,0 +1,42 @@
+"""One local SparkSession with Delta for the whole test run, built by the product's own builder."""
+
+import pytest
+
+from kfed_spark.config import SparkConfig
+from kfed_spark.session import build_session
+from kfed_spark.synthetic import write_mixture
+
+TEST_SPARK_CONF = {
+    "spark.sql.shuffle.partitions": "2",
+    "spark.default.parallelism": "2",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.task.maxFailures": "1",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.log.level": "ERROR",
+    # Small Arrow batches: a device's rows span several batches, a batch holds several devices.
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "100",
+}
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory):
+    warehouse = tmp_path_factory.mktemp("warehouse")
+    conf = {**TEST_SPARK_CONF, "spark.sql.warehouse.dir": str(warehouse)}
+    session = build_session(SparkConfig(master="local[2]", app_name="kfed-tests", conf=conf))
+    yield session
+    session.stop()
+
+
+MIXTURE = dict(k=12, k_per_device=3, devices=60, points_per_device=100, dim=8, seed=3)
+
+
+@pytest.fixture(scope="session")
+def mixture_path(tmp_path_factory):
+    """A separated 12-cluster mixture: 60 devices x 100 rows, 3 clusters per device, d = 8."""
+    path = tmp_path_factory.mktemp("mixture")
+    write_mixture(path, **MIXTURE)
+    return str(path)

@@ -1,0 +1,71 @@
+"""The functions Spark runs in its Python workers, fed with plain Arrow batches."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kfed_spark.batches import LabelModel, LocalStepSpec, device_runs, label_batches, local_centers_from_batches
+from kfed_spark.kernels import device_rng, local_step
+
+
+def rows_batch(devices, x, device_type=pa.int64()):
+    offsets = np.arange(0, x.size + 1, x.shape[1], dtype=np.int32)
+    return pa.RecordBatch.from_arrays(
+        [pa.array(devices, type=device_type), pa.ListArray.from_arrays(offsets, pa.array(x.ravel()))],
+        names=["device_id", "features"],
+    )
+
+
+def test_device_runs_splits_consecutive_ids():
+    assert list(device_runs(np.array(["a", "a", "b", "c", "c"], dtype=object))) == [
+        ("a", 0, 2), ("b", 2, 3), ("c", 3, 5)
+    ]
+    assert list(device_runs(np.array([], dtype=np.int64))) == []
+
+
+@pytest.mark.parametrize("device_type", [pa.int64(), pa.string()])
+def test_devices_spanning_batches_are_clustered_once_on_all_their_rows(device_type):
+    rng = np.random.default_rng(0)
+    sizes = {3: 250, 8: 40, 11: 130}
+    keys = {3: 3, 8: 8, 11: 11} if device_type == pa.int64() else {3: "d03", 8: "d08", 11: "d11"}
+    data = {d: rng.normal(size=(n, 4)) + rng.normal(0, 8, size=(n, 1)) for d, n in sizes.items()}
+    devices = np.concatenate([[keys[d]] * n for d, n in sizes.items()])
+    x = np.concatenate(list(data.values()))
+    # 100-row batches: device 3 spans three batches, batch 3 holds devices 3, 8 and 11.
+    batches = [rows_batch(devices[i : i + 100].tolist(), x[i : i + 100], device_type) for i in range(0, len(x), 100)]
+    spec = LocalStepSpec(k=3, seed=5, max_iter=100, tol=1e-8, dim=4, device_type=device_type)
+    out = pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
+    assert out.column("device_id").to_pylist().count(keys[3]) == 3
+    for d, rows in data.items():
+        expected = local_step(rows, 3, device_rng(5, keys[d]))
+        mine = out.filter(pa.compute.equal(out.column("device_id"), keys[d]))
+        assert mine.column("n_points").to_pylist() == expected.counts.tolist()
+        np.testing.assert_array_equal(np.array(mine.column("center").to_pylist()), expected.centers)
+        assert mine.column("local_cluster_id").to_pylist() == list(range(len(expected.counts)))
+
+
+def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():
+    model = LabelModel.build(
+        devices=np.array([7, 7, 9]),
+        local_ids=np.array([0, 1, 0]),
+        centers=np.array([[0.0], [10.0], [4.0]]),
+        clusters=np.array([1, 0, 1]),
+        global_centers=np.array([[10.0], [1.0]]),
+        label_mode="induced",
+    )
+    batch = rows_batch([9, 7, 7], np.array([[9.0], [9.0], [1.0]]))
+    out = pa.Table.from_batches(list(label_batches(iter([batch]), model, "device_id", "features", 1)))
+    assert out.column_names == ["device_id", "local_cluster_id", "cluster_id", "__kfed_sq_dist"]
+    assert out.column("local_cluster_id").to_pylist() == [0, 1, 0]
+    assert out.column("cluster_id").to_pylist() == [1, 0, 1]  # device 9's only center is in cluster 1
+    assert out.column("__kfed_sq_dist").to_pylist() == [64.0, 1.0, 0.0]
+    nearest = LabelModel.build(np.array([7, 7, 9]), np.array([0, 1, 0]), model.device_centers[[0, 0, 1], [0, 1, 0]],
+                               np.array([1, 0, 1]), model.global_centers, "nearest")
+    out = pa.Table.from_batches(list(label_batches(iter([batch]), nearest, "device_id", "features", 1)))
+    assert out.column("cluster_id").to_pylist() == [0, 0, 1]
+
+
+def test_labelling_a_device_without_local_centers_fails_clearly():
+    model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0]]), np.array([0]), np.array([[0.0]]), "induced")
+    with pytest.raises(ValueError, match="device 2 has no local centers"):
+        list(label_batches(iter([rows_batch([2], np.array([[1.0]]))]), model, "device_id", "features", 1))

@@ -1,0 +1,62 @@
+"""Configuration loading, overrides and validation messages."""
+
+import pytest
+
+from kfed_spark.config import load_config
+from kfed_spark.errors import ConfigError
+
+BASE = ["input.path=/data/in", "output.path=/data/out"]
+
+
+def test_defaults_and_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("input: {path: /x}\noutput: {path: /y}\nk: 10\nspark: {conf: {a.b: '1'}}\n")
+    cfg = load_config(path, ["k=12", "k_per_device=3", "input.device_col=writer", "spark.master=local[2]"])
+    assert (cfg.k, cfg.k_per_device, cfg.seed) == (12, 3, 0)
+    assert cfg.input.device_col == "writer" and cfg.input.features_col == "features"
+    assert cfg.spark.master == "local[2]" and cfg.spark.conf == {"a.b": "1"}
+    assert (cfg.server_refine, cfg.label_mode) == ("lloyd", "induced")
+
+
+def test_features_can_be_a_list_of_columns():
+    cfg = load_config(None, BASE + ["input.features_col=[x1, x2, x3]"])
+    assert cfg.input.features_col == ["x1", "x2", "x3"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["colour=red"], "unknown config key 'colour'"),
+        (["input.colour=red"], "unknown config key input.colour"),
+        (["k=0"], "k must be >= 1, got 0"),
+        (["k=4", "k_per_device=5"], r"k_per_device \(5\) must not exceed k \(4\)"),
+        (["k_per_device=0"], "k_per_device must be >= 1"),
+        (["seed=-1"], "seed must be >= 0"),
+        (["seed=1.5"], "seed must be an integer"),
+        (["server_refine=kmeans"], "server_refine must be 'lloyd' or 'none'"),
+        (["label_mode=soft"], "label_mode must be 'induced' or 'nearest'"),
+        (["run_id=a b"], "run_id 'a b' is not allowed"),
+        (["run_id=x'; DROP TABLE y"], "is not allowed"),
+        (["input.table=db.t"], "set exactly one of input.path and input.table"),
+        (["input.format=xlsx"], "input.format must be one of"),
+        (["output.path="], "output.path is required"),
+        (["input.device_col="], "must be column names"),
+        (["k"], "--set takes KEY=VALUE"),
+    ],
+)
+def test_invalid_configuration_is_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, BASE + overrides)
+
+
+def test_missing_or_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("k: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listing)

@@ -1,0 +1,205 @@
+"""The whole job on real Spark (local mode) writing real Delta tables."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from delta.tables import DeltaTable
+from pyspark.ml.functions import array_to_vector
+from pyspark.sql import functions as F
+
+from kfed_spark.cli import main
+from kfed_spark.io import TABLES
+from kfed_spark.metrics import adjusted_rand_index
+
+from conftest import MIXTURE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(config: Path, *overrides: str) -> int:
+    args = ["run", "--config", str(config)]
+    for item in overrides:
+        args += ["--set", item]
+    return main(args)
+
+
+@pytest.fixture()
+def config(tmp_path, mixture_path):
+    path = tmp_path / "kfed.yaml"
+    path.write_text(
+        f"""
+input: {{path: "{mixture_path}", format: parquet, truth_col: true_cluster}}
+output: {{path: "{tmp_path / 'out'}"}}
+k: {MIXTURE['k']}
+k_per_device: {MIXTURE['k_per_device']}
+seed: 11
+run_id: first
+"""
+    )
+    return path
+
+
+def labels_of(spark, out, run_id):
+    return spark.read.format("delta").load(f"{out}/labels").filter(F.col("run_id") == run_id)
+
+
+def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_path, mixture_path, capsys):
+    assert run_cli(config) == 0
+    out = tmp_path / "out"
+    for name in TABLES:
+        assert DeltaTable.isDeltaTable(spark, str(out / name)), name
+    n_rows = MIXTURE["devices"] * MIXTURE["points_per_device"]
+    labels = labels_of(spark, out, "first")
+    assert labels.count() == n_rows
+    assert set(labels.columns) == {"row_id", "device_id", "features", "true_cluster", "cluster_id",
+                                   "local_cluster_id", "run_id"}
+    cells = labels.groupBy("true_cluster", "cluster_id").count().toPandas()
+    assert adjusted_rand_index(cells.true_cluster, cells.cluster_id, cells["count"]) >= 0.95
+
+    run = spark.read.format("delta").load(str(out / "runs")).collect()
+    assert len(run) == 1
+    run = run[0]
+    assert (run.status, run.n_input, run.n_labelled, run.n_quarantined) == ("succeeded", n_rows, n_rows, 0)
+    assert run.n_devices == MIXTURE["devices"] and run.ari >= 0.95
+    assert json.loads(run.config)["k"] == MIXTURE["k"]
+    centers = spark.read.format("delta").load(str(out / "centers")).toPandas()
+    assert sorted(centers.cluster_id) == list(range(MIXTURE["k"]))
+    assert centers.n_points.sum() == n_rows
+    local = spark.read.format("delta").load(str(out / "local_centers")).toPandas()
+    assert local.n_points.sum() == n_rows and local.groupby("device_id").size().max() <= MIXTURE["k_per_device"]
+
+    # The reported cost is the k-means cost of the written labels against the written centers.
+    table = pq.read_table(mixture_path).to_pandas().set_index("row_id")
+    rows = labels.select("row_id", "cluster_id").toPandas().set_index("row_id").join(table)
+    centers_by_id = np.stack(centers.sort_values("cluster_id").center.to_numpy())
+    x = np.stack(rows.features.to_numpy())
+    cost = ((x - centers_by_id[rows.cluster_id.to_numpy()]) ** 2).sum()
+    assert run.cost == pytest.approx(cost, rel=1e-9)
+    assert "ARI" in capsys.readouterr().out
+
+
+def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(config) == 0
+    first = labels_of(spark, out, "first").select("row_id", "cluster_id").orderBy("row_id").collect()
+    assert run_cli(config) == 0
+    assert run_cli(config, "run_id=second", "label_mode=nearest") == 0
+    n_rows = MIXTURE["devices"] * MIXTURE["points_per_device"]
+    all_labels = spark.read.format("delta").load(str(out / "labels"))
+    assert all_labels.count() == 2 * n_rows
+    assert labels_of(spark, out, "first").select("row_id", "cluster_id").orderBy("row_id").collect() == first
+    runs = spark.read.format("delta").load(str(out / "runs"))
+    assert sorted(r.run_id for r in runs.collect()) == ["first", "second"]
+    history = DeltaTable.forPath(spark, str(out / "labels")).history().collect()
+    assert [h.operation for h in history].count("WRITE") == 3
+    spark.read.format("delta").load(str(out / "labels")).createOrReplaceTempView("kfed_labels")
+    sizes = spark.sql(
+        "SELECT cluster_id, count(*) AS n FROM kfed_labels WHERE run_id = 'second' GROUP BY cluster_id"
+    ).collect()
+    assert len(sizes) == MIXTURE["k"] and sum(r.n for r in sizes) == n_rows
+
+
+def test_vector_and_column_list_features_give_the_same_clustering(spark, config, tmp_path, mixture_path):
+    source = spark.read.parquet(mixture_path)
+    source.withColumn("features", array_to_vector("features")).write.parquet(str(tmp_path / "vectors"))
+    source.select(
+        "row_id", "device_id", "true_cluster", *[F.col("features")[i].alias(f"x{i}") for i in range(MIXTURE["dim"])]
+    ).write.option("header", "true").csv(str(tmp_path / "csv"))
+    assert run_cli(config) == 0
+    assert run_cli(config, f"input.path={tmp_path / 'vectors'}", f"output.path={tmp_path / 'out_vectors'}") == 0
+    columns = "[" + ", ".join(f"x{i}" for i in range(MIXTURE["dim"])) + "]"
+    assert run_cli(config, f"input.path={tmp_path / 'csv'}", "input.format=csv", f"input.features_col={columns}",
+                   f"output.path={tmp_path / 'out_csv'}") == 0
+    expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
+    for out in ("out_vectors", "out_csv"):
+        got = labels_of(spark, tmp_path / out, "first").select("row_id", "cluster_id").orderBy("row_id").collect()
+        assert got == expected, out
+
+
+def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
+    rows = [
+        (1, "a", [0.0, 0.0]), (2, "a", [0.1, 0.0]), (3, "a", [9.0, 9.0]), (4, "b", [9.1, 9.0]),
+        (5, "b", [0.0, 0.2]), (6, None, [1.0, 1.0]), (7, "b", None), (8, "b", [1.0]),
+        (9, "a", [float("nan"), 1.0]), (10, "b", [float("inf"), 1.0]), (11, "a", []),
+    ]
+    spark.createDataFrame(rows, "row_id long, device_id string, features array<double>").write.parquet(
+        str(tmp_path / "dirty"))
+    assert main(["run", "--set", f"input.path={tmp_path / 'dirty'}", "--set", f"output.path={tmp_path / 'out'}",
+                 "--set", "k=2", "--set", "k_per_device=2", "--set", "run_id=dirty",
+                 "--config", str(write_empty_config(tmp_path))]) == 0
+    quarantine = spark.read.format("delta").load(str(tmp_path / "out" / "quarantine")).toPandas()
+    reasons = dict(zip(quarantine.row_id, quarantine.reason))
+    assert reasons == {6: "null_device", 7: "null_features", 8: "wrong_dimension (expected 2)",
+                       9: "non_finite_value", 10: "non_finite_value", 11: "empty_features"}
+    labels = spark.read.format("delta").load(str(tmp_path / "out" / "labels")).toPandas()
+    assert sorted(labels.row_id) == [1, 2, 3, 4, 5]
+    assert labels.set_index("row_id").cluster_id[1] != labels.set_index("row_id").cluster_id[3]
+    run = spark.read.format("delta").load(str(tmp_path / "out" / "runs")).collect()[0]
+    assert (run.n_input, run.n_labelled, run.n_quarantined) == (11, 5, 6)
+
+
+def write_empty_config(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("{}\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["input.path=/nonexistent/kfed"], "cannot read parquet input /nonexistent/kfed: [PATH_NOT_FOUND]"),
+        (["input.device_col=writer"], "input has no device column 'writer'"),
+        (["input.features_col=pixels"], "input has no feature column(s) 'pixels'"),
+        (["input.features_col=device_id"], "feature column 'device_id' has type bigint"),
+        (["k=9000", "k_per_device=3"], "k = 9000 but the devices provide only 180 local centers"),
+    ],
+)
+def test_bad_input_gives_one_line_error(spark, config, capsys, overrides, message):
+    assert run_cli(config, *overrides) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kfed-spark: error: ") and "\n" not in err
+    assert message in err
+
+
+def test_bad_config_exits_non_zero_with_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kfed_spark.cli", "run", "--config", str(tmp_path / "nope.yaml")],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"kfed-spark: error: cannot read config file {tmp_path / 'nope.yaml'}: No such file or directory"]
+
+
+def test_spark_submit_job_matches_the_cli(spark, config, tmp_path):
+    """jobs/kfed_job.py under spark-submit writes the same labels as `kfed-spark run`."""
+    from pyspark.find_spark_home import _find_spark_home
+
+    from kfed_spark.session import delta_package
+
+    assert run_cli(config) == 0
+    submit = Path(_find_spark_home()) / "bin" / "spark-submit"
+    result = subprocess.run(
+        [str(submit), "--master", "local[2]", "--packages", delta_package(), "--conf", "spark.ui.enabled=false",
+         "--conf", "spark.databricks.delta.snapshotPartitions=2", "--conf", "spark.sql.shuffle.partitions=2",
+         str(ROOT / "jobs" / "kfed_job.py"), "--config", str(config),
+         "--set", f"output.path={tmp_path / 'submitted'}"],
+        capture_output=True, text=True, check=False, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
+    got = labels_of(spark, tmp_path / "submitted", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
+    assert got == expected
+
+
+def test_labels_read_without_spark(spark, config, tmp_path):
+    from deltalake import DeltaTable as RustDeltaTable
+
+    assert run_cli(config) == 0
+    table = RustDeltaTable(str(tmp_path / "out" / "labels")).to_pyarrow_table()
+    assert table.num_rows == MIXTURE["devices"] * MIXTURE["points_per_device"]
+    assert set(table.column("run_id").to_pylist()) == {"first"}
