@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kfed_spark.kernels import device_rng, local_step, nearest_center, nearest_device_center, plain
+from kfed_spark.kernels import device_rng, local_step, nearest_center, nearest_device_center, plain, weighted_means
 
 SQ_DIST_COL = "__kfed_sq_dist"
 """Internal column: a row's squared distance to its global center, summed into the run's cost."""
@@ -175,4 +175,24 @@ def label_batches(
             [batch.column(name) for name in keep]
             + [pa.array(local, type=pa.int32()), pa.array(cluster, type=pa.int32()), pa.array(sq_dist)],
             names=keep + ["local_cluster_id", "cluster_id", SQ_DIST_COL],
+        )
+
+
+def label_moments(batches: Iterator[pa.RecordBatch], label_col: str, features_col: str, dim: int) -> Iterator[pa.RecordBatch]:
+    """Per label and batch: row count, sum of rows and sum of squared norms (partial moments)."""
+    for batch in batches:
+        labels = batch.column(label_col).to_numpy(zero_copy_only=False)
+        x = feature_matrix(batch.column(features_col), dim)
+        keys, index = np.unique(labels, return_inverse=True)
+        means, counts = weighted_means(x, np.ones(len(x)), index, len(keys))
+        sums = means * counts[:, None]
+        offsets = np.arange(0, sums.size + 1, dim, dtype=np.int32)
+        yield pa.RecordBatch.from_arrays(
+            [
+                pa.array(keys.astype(str)),
+                pa.array(np.bincount(index, minlength=len(keys)), type=pa.int64()),
+                pa.ListArray.from_arrays(offsets, pa.array(sums.ravel())),
+                pa.array(np.bincount(index, weights=np.einsum("ij,ij->i", x, x), minlength=len(keys))),
+            ],
+            names=["label", "n", "sum", "sum_sq"],
         )

@@ -94,6 +94,7 @@ def command_run(args: argparse.Namespace) -> int:
         f"run {result.run_id}: {result.n_labelled} rows labelled, {result.n_quarantined} quarantined, "
         f"{result.n_devices} devices, cost {result.cost:.6g}"
         + (f", ARI {result.ari:.4f}" if result.ari is not None else "")
+        + (f", cost / planted cost {result.cost / result.truth_cost:.4f}" if result.truth_cost else "")
         + f"; tables under {result.output_path}"
     )
     return 0
@@ -145,7 +146,12 @@ def command_demo(args: argparse.Namespace) -> int:
             "spark": {
                 "master": "local[2]",
                 "app_name": "kfed-spark-demo",
-                "conf": {"spark.sql.shuffle.partitions": "4", "spark.ui.enabled": "false", "spark.log.level": "WARN"},
+                "conf": {
+                    "spark.sql.shuffle.partitions": "4",
+                    "spark.databricks.delta.snapshotPartitions": "2",
+                    "spark.ui.enabled": "false",
+                    "spark.log.level": "WARN",
+                },
             },
         }
     )
@@ -162,7 +168,8 @@ def command_demo(args: argparse.Namespace) -> int:
         f"\nk-FED demo: {result.n_input} rows on {result.n_devices} devices, d = {dim}, k = {k} "
         f"({k_per_device} clusters per device)\n"
         f"  labelled {result.n_labelled}, quarantined {result.n_quarantined}\n"
-        f"  k-means cost {result.cost:.6g}, ARI against the planted clusters {result.ari:.4f}\n"
+        f"  k-means cost {result.cost:.6g} ({result.cost / result.truth_cost:.4f} x the planted clusters' cost)\n"
+        f"  ARI against the planted clusters {result.ari:.4f}\n"
         f"  tables (Delta): {result.output_path}/{{labels,centers,local_centers,quarantine,runs}}\n"
         f"  query: {query}\n\n{top.to_string(index=False)}"
     )

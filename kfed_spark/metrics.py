@@ -31,3 +31,14 @@ def adjusted_rand_index(truth: np.ndarray, labels: np.ndarray, counts: np.ndarra
     if maximum == expected:
         return 1.0
     return (index - expected) / (maximum - expected)
+
+
+def within_cluster_cost(counts: np.ndarray, sums: np.ndarray, squared_norms: np.ndarray) -> float:
+    """k-means cost of clusters around their own means, from per-cluster moments.
+
+    counts (c,), sums (c, d) and squared_norms (c,) are each cluster's row count, sum of rows
+    and sum of squared row norms: cost = sum(squared_norms) - sum(|sums|^2 / counts).
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    sums = np.asarray(sums, dtype=np.float64)
+    return float(np.sum(squared_norms) - np.sum(np.einsum("ij,ij->i", sums, sums) / counts))

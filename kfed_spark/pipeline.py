@@ -39,13 +39,14 @@ from kfed_spark.batches import (
     LabelModel,
     LocalStepSpec,
     label_batches,
+    label_moments,
     local_centers_from_batches,
 )
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import InputError, KFedError
 from kfed_spark.io import OutputTables, read_input
 from kfed_spark.kernels import server_step
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 
 log = logging.getLogger("kfed_spark")
 
@@ -73,6 +74,7 @@ RUNS_SCHEMA = StructType(
         StructField("n_local_centers", LongType(), False),
         StructField("cost", DoubleType(), False),
         StructField("ari", DoubleType(), True),
+        StructField("truth_cost", DoubleType(), True),
         StructField("timings", MapType(StringType(), DoubleType()), False),
         StructField("config", StringType(), False),
         StructField("versions", MapType(StringType(), StringType()), False),
@@ -93,6 +95,7 @@ class RunResult:
     dim: int
     cost: float
     ari: float | None
+    truth_cost: float | None
     output_path: str
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -193,10 +196,11 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
         raise KFedError(
             f"row accounting failed: {n_input} input rows but {n_labelled} labelled + {n_quarantined} quarantined"
         )
-    ari = None
+    ari = truth_cost = None
     if cfg.input.truth_col:
         with timer.stage("evaluate"):
             ari = truth_ari(tables.read("labels").filter(F.col("run_id") == run_id), cfg.input.truth_col)
+            truth_cost = planted_cost(valid, cfg.input.truth_col, dim)
 
     result = RunResult(
         run_id=run_id,
@@ -208,6 +212,7 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
         dim=dim,
         cost=cost,
         ari=ari,
+        truth_cost=truth_cost,
         output_path=tables.root,
         timings=timer.seconds,
     )
@@ -335,6 +340,24 @@ def truth_ari(labels: DataFrame, truth_col: str) -> float:
     return adjusted_rand_index(table[truth_col].to_numpy(), table["cluster_id"].to_numpy(), table["count"].to_numpy())
 
 
+def planted_cost(valid: DataFrame, truth_col: str, dim: int) -> float:
+    """k-means cost of the ground-truth clusters around their own means (the planted cost).
+
+    Workers send per-batch moments (a few rows per label); the driver adds them up.
+    """
+    schema = "label string, n long, sum array<double>, sum_sq double"
+    partial = valid.select(truth_col, FEATURES_COL).mapInArrow(
+        lambda batches: label_moments(batches, truth_col, FEATURES_COL, dim), schema
+    ).toArrow()
+    _, label_index = np.unique(partial.column("label").to_numpy(zero_copy_only=False), return_inverse=True)
+    labels = int(label_index.max()) + 1
+    sums = np.zeros((labels, dim))
+    np.add.at(sums, label_index, np.asarray(partial.column("sum").combine_chunks().flatten()).reshape(-1, dim))
+    counts = np.bincount(label_index, weights=partial.column("n").to_numpy(), minlength=labels)
+    squared_norms = np.bincount(label_index, weights=partial.column("sum_sq").to_numpy(), minlength=labels)
+    return within_cluster_cost(counts, sums, squared_norms)
+
+
 def runs_frame(spark, cfg: KFedConfig, result: RunResult, started_at: datetime) -> DataFrame:
     inp = cfg.input
     row = {
@@ -356,6 +379,7 @@ def runs_frame(spark, cfg: KFedConfig, result: RunResult, started_at: datetime) 
         "n_local_centers": result.n_local_centers,
         "cost": result.cost,
         "ari": result.ari,
+        "truth_cost": result.truth_cost,
         "timings": result.timings,
         "config": json.dumps(as_dict(cfg), sort_keys=True),
         "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},

@@ -80,6 +80,10 @@ def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_
     x = np.stack(rows.features.to_numpy())
     cost = ((x - centers_by_id[rows.cluster_id.to_numpy()]) ** 2).sum()
     assert run.cost == pytest.approx(cost, rel=1e-9)
+    truth = np.stack([x[rows.true_cluster.to_numpy() == j].mean(axis=0) for j in range(MIXTURE["k"])])
+    planted = ((x - truth[rows.true_cluster.to_numpy()]) ** 2).sum()
+    assert run.truth_cost == pytest.approx(planted, rel=1e-9)
+    assert run.cost <= 1.02 * planted
     assert "ARI" in capsys.readouterr().out
 
 

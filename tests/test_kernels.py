@@ -14,7 +14,7 @@ from kfed_spark.kernels import (
     server_step,
     squared_distances,
 )
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 
 
 def blobs(rng, means, n, noise=1.0):
@@ -189,3 +189,13 @@ def test_adjusted_rand_index_matches_scikit_learn():
     truth, labels = rng.integers(0, 5, 300), rng.integers(0, 4, 300)
     assert adjusted_rand_index(truth, labels) == pytest.approx(adjusted_rand_score(truth, labels))
     assert adjusted_rand_index(truth, (truth + 1) % 5) == pytest.approx(1.0)
+
+
+def test_within_cluster_cost_from_moments():
+    rng = np.random.default_rng(9)
+    x, truth = rng.normal(size=(200, 3)), rng.integers(0, 4, 200)
+    counts = np.bincount(truth)
+    sums = np.stack([x[truth == j].sum(axis=0) for j in range(4)])
+    squared_norms = np.bincount(truth, weights=(x**2).sum(axis=1))
+    expected = sum(((x[truth == j] - x[truth == j].mean(axis=0)) ** 2).sum() for j in range(4))
+    assert within_cluster_cost(counts, sums, squared_norms) == pytest.approx(expected)
