@@ -20,6 +20,9 @@ ROUGH_LLOYD_ITERATIONS = 10
 RANDOMIZED_SVD_MIN_DIM = 512
 """Devices with at least this many features use a seeded randomized SVD instead of an exact one."""
 
+DUPLICATE_TOLERANCE = 1e-12
+"""Squared distances below this fraction of the largest squared norm are rounding residue, not distance."""
+
 DISTANCE_CHUNK_ELEMENTS = 1 << 22
 """Distance matrices are built in row chunks of at most this many entries (32 MiB of float64)."""
 
@@ -256,9 +259,11 @@ def server_step(
     if len(seeds) > k:
         raise ValueError(f"device {plain(devices[seed_index])!r} has {len(seeds)} local centers, more than k = {k}")
     _, to_seeds = nearest_center(ordered, ordered[seeds])
+    # |x|^2 - 2x.c + |c|^2 leaves rounding residue for equal points: below this, a center is a duplicate.
+    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(np.einsum("ij,ij->i", ordered, ordered)))
     while len(seeds) < k:
         farthest = int(np.argmax(to_seeds))
-        if to_seeds[farthest] <= 0.0:
+        if to_seeds[farthest] <= duplicate_below:
             raise ValueError(
                 f"k = {k} is more than the {len(seeds)} distinct local centers the devices provide; "
                 f"lower k or raise k_per_device"

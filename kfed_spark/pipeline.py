@@ -45,7 +45,7 @@ from kfed_spark.batches import (
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import InputError, KFedError
 from kfed_spark.io import OutputTables, read_input
-from kfed_spark.kernels import server_step
+from kfed_spark.kernels import ServerClustering, server_step
 from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 
 log = logging.getLogger("kfed_spark")
@@ -53,6 +53,7 @@ log = logging.getLogger("kfed_spark")
 FEATURES_COL = "__kfed_features"
 REASON_COL = "__kfed_reason"
 ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id")
+RUN_ID_FIELD = StructField("run_id", StringType(), False)
 
 RUNS_SCHEMA = StructType(
     [
@@ -123,50 +124,36 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
     with timer.stage("validate"):
         raw = read_input(spark, cfg.input)
         checked, dim = validated(raw, cfg)
-        labels_schema = StructType(
-            list(raw.schema.fields)
-            + [
-                StructField("local_cluster_id", IntegerType(), True),
-                StructField("cluster_id", IntegerType(), True),
-                StructField("run_id", StringType(), False),
-            ]
-        )
-        tables.check_schema("labels", labels_schema)
+        tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
     valid = checked.filter(F.col(REASON_COL).isNull()).drop(REASON_COL)
 
     with timer.stage("local_step"):
         local = collect_local_centers(valid, cfg, dim, raw.schema[device_col].dataType)
-    if local.num_rows == 0:
+    if len(local.counts) == 0:
         raise InputError(f"no row of the input can be clustered (all {raw.count()} rows are bad; see quarantine)")
 
     with timer.stage("server_step"):
-        local_devices = local.column("device_id").to_numpy(zero_copy_only=False)
-        local_ids = local.column("local_cluster_id").to_numpy()
-        local_centers = np.asarray(local.column("center").combine_chunks().flatten()).reshape(-1, dim)
-        counts = local.column("n_points").to_numpy()
-        n_local = len(counts)
-        if n_local < cfg.k:
-            raise KFedError(
-                f"k = {cfg.k} but the devices provide only {n_local} local centers; "
-                "lower k or raise k_per_device"
-            )
         try:
-            server = server_step(local_centers, counts, local_devices, local_ids, cfg.k, cfg.server_refine, tol=cfg.tol)
+            server = server_step(
+                local.centers, local.counts, local.devices, local.ids, cfg.k, cfg.server_refine, tol=cfg.tol
+            )
         except ValueError as exc:
             raise KFedError(str(exc)) from None
         log.info(
             "server step: %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
-            n_local, len(np.unique(local_devices)), cfg.k, server.seed_device, server.refine_iterations,
+            len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
         )
 
     with timer.stage("labels"):
-        model = LabelModel.build(local_devices, local_ids, local_centers, server.assignment,
-                                 server.centers, cfg.label_mode)
-        labelled = label_rows(valid, model, raw.schema, device_col, dim)
+        model = LabelModel.build(local.devices, local.ids, local.centers, server.assignment, server.centers,
+                                 cfg.label_mode)
         written = Observation("kfed_labels")
-        labels = labelled.observe(
-            written, F.count(F.lit(1)).alias("rows"), F.sum(SQ_DIST_COL).alias("cost")
-        ).drop(SQ_DIST_COL).withColumn("run_id", F.lit(run_id))
+        labels = (
+            label_rows(valid, model, raw.schema, device_col, dim)
+            .observe(written, F.count(F.lit(1)).alias("rows"), F.sum(SQ_DIST_COL).alias("cost"))
+            .drop(SQ_DIST_COL)
+            .withColumn("run_id", F.lit(run_id))
+        )
         tables.replace_run("labels", labels, run_id)
         n_labelled, cost = int(written.get["rows"]), float(written.get["cost"] or 0.0)
 
@@ -182,14 +169,11 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
             run_id,
         )
         n_quarantined = int(quarantined.get["rows"])
-        local_with_cluster = local.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
+        local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
         tables.replace_run(
-            "local_centers",
-            spark.createDataFrame(local_with_cluster.to_pandas()).withColumn("run_id", F.lit(run_id)),
-            run_id,
+            "local_centers", spark.createDataFrame(local_with_cluster).withColumn("run_id", F.lit(run_id)), run_id
         )
-        tables.replace_run("centers", centers_frame(spark, server.centers, server.assignment, counts,
-                                                    local_devices, run_id), run_id)
+        tables.replace_run("centers", centers_frame(spark, server, local, run_id), run_id)
 
     n_input = raw.count()
     if n_input != n_labelled + n_quarantined:
@@ -208,7 +192,7 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
         n_labelled=n_labelled,
         n_quarantined=n_quarantined,
         n_devices=len(model.devices),
-        n_local_centers=n_local,
+        n_local_centers=len(local.counts),
         dim=dim,
         cost=cost,
         ari=ari,
@@ -250,15 +234,18 @@ def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
         raise InputError("no row of the input has any feature values")
     dim = int(sizes["dim"])
     feature = F.col(FEATURES_COL)
-    value_is_bad = lambda v: v.isNull() | F.isnan(v) | (F.abs(v) == F.lit(float("inf")))  # noqa: E731
     reason = (
         F.when(F.col(inp.device_col).isNull(), "null_device")
         .when(feature.isNull(), "null_features")
         .when(F.size(feature) == 0, "empty_features")
         .when(F.size(feature) != dim, F.lit(f"wrong_dimension (expected {dim})"))
-        .when(F.exists(feature, value_is_bad), "non_finite_value")
+        .when(F.exists(feature, is_missing_or_infinite), "non_finite_value")
     )
     return prepared.withColumn(REASON_COL, reason), dim
+
+
+def is_missing_or_infinite(value: Column) -> Column:
+    return value.isNull() | F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
 
 
 def features_column(df: DataFrame, features: str | list[str]) -> Column:
@@ -284,7 +271,28 @@ def features_column(df: DataFrame, features: str | list[str]) -> Column:
     )
 
 
-def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> pa.Table:
+@dataclass(frozen=True)
+class LocalCenters:
+    """All devices' local centers, collected on the driver: the Arrow table and numpy views of it."""
+
+    table: pa.Table
+    devices: np.ndarray
+    ids: np.ndarray
+    centers: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table, dim: int) -> "LocalCenters":
+        return cls(
+            table=table,
+            devices=table.column("device_id").to_numpy(zero_copy_only=False),
+            ids=table.column("local_cluster_id").to_numpy(),
+            centers=np.asarray(table.column("center").combine_chunks().flatten()).reshape(-1, dim),
+            counts=table.column("n_points").to_numpy(),
+        )
+
+
+def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
     """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
     spec = LocalStepSpec(cfg.k_per_device, cfg.seed, cfg.max_iter, cfg.tol, dim, to_arrow_type(device_type))
     schema = StructType(
@@ -300,27 +308,30 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
     rows = valid.select(device, F.col(FEATURES_COL))
     partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
     shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
-    return shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema).toArrow()
+    table = shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema).toArrow()
+    return LocalCenters.from_arrow(table, dim)
+
+
+def labelled_fields(raw_schema: StructType) -> list[StructField]:
+    """The input's columns followed by the two cluster columns the labels table adds."""
+    return list(raw_schema.fields) + [
+        StructField("local_cluster_id", IntegerType(), False),
+        StructField("cluster_id", IntegerType(), False),
+    ]
 
 
 def label_rows(valid: DataFrame, model: LabelModel, raw_schema: StructType, device_col: str, dim: int) -> DataFrame:
     """Every valid row with its local and global cluster (and, internally, its squared distance)."""
-    schema = StructType(
-        list(raw_schema.fields)
-        + [
-            StructField("local_cluster_id", IntegerType(), False),
-            StructField("cluster_id", IntegerType(), False),
-            StructField(SQ_DIST_COL, DoubleType(), False),
-        ]
-    )
+    schema = StructType(labelled_fields(raw_schema) + [StructField(SQ_DIST_COL, DoubleType(), False)])
     return valid.mapInArrow(lambda batches: label_batches(batches, model, device_col, FEATURES_COL, dim), schema)
 
 
-def centers_frame(spark, centers, assignment, counts, devices, run_id: str) -> DataFrame:
-    k = len(centers)
-    n_points = np.bincount(assignment, weights=counts, minlength=k).astype(np.int64)
-    pairs = np.unique(np.stack([assignment, np.unique(devices, return_inverse=True)[1]]), axis=1)
-    n_devices = np.bincount(pairs[0], minlength=k)
+def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCenters, run_id: str) -> DataFrame:
+    k = len(server.centers)
+    n_points = np.bincount(server.assignment, weights=local.counts, minlength=k).astype(np.int64)
+    device_index = np.unique(local.devices, return_inverse=True)[1]
+    cluster_device_pairs = np.unique(np.stack([server.assignment, device_index]), axis=1)
+    n_devices = np.bincount(cluster_device_pairs[0], minlength=k)
     schema = StructType(
         [
             StructField("run_id", StringType(), False),
@@ -330,7 +341,7 @@ def centers_frame(spark, centers, assignment, counts, devices, run_id: str) -> D
             StructField("n_devices", LongType(), False),
         ]
     )
-    rows = [(run_id, c, centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
+    rows = [(run_id, c, server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
     return spark.createDataFrame(rows, schema)
 
 

@@ -160,7 +160,7 @@ def write_empty_config(tmp_path):
         (["input.device_col=writer"], "input has no device column 'writer'"),
         (["input.features_col=pixels"], "input has no feature column(s) 'pixels'"),
         (["input.features_col=device_id"], "feature column 'device_id' has type bigint"),
-        (["k=9000", "k_per_device=3"], "k = 9000 but the devices provide only 180 local centers"),
+        (["k=9000", "k_per_device=3"], "k = 9000 is more than the 180 distinct local centers the devices provide; lower k or raise k_per_device"),
     ],
 )
 def test_bad_input_gives_one_line_error(spark, config, capsys, overrides, message):

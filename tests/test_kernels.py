@@ -173,6 +173,12 @@ def test_server_step_rejects_k_above_distinct_local_centers():
     centers = np.array([[0.0], [0.0], [1.0]])
     with pytest.raises(ValueError, match="k = 3 is more than the 2 distinct local centers"):
         server_step(centers, np.ones(3), np.array([0, 1, 2]), np.zeros(3), 3)
+    # Equal centers whose BLAS-form distance leaves rounding residue are still duplicates.
+    rng = np.random.default_rng(10)
+    distinct = rng.normal(size=(5, 16)) * 1e3
+    centers = np.concatenate([distinct, distinct[::-1]])
+    with pytest.raises(ValueError, match="k = 6 is more than the 5 distinct local centers"):
+        server_step(centers, np.ones(10), np.arange(10), np.zeros(10), 6)
 
 
 def test_nearest_device_center_uses_each_rows_own_device():
