@@ -207,3 +207,16 @@ def test_labels_read_without_spark(spark, config, tmp_path):
     table = RustDeltaTable(str(tmp_path / "out" / "labels")).to_pyarrow_table()
     assert table.num_rows == MIXTURE["devices"] * MIXTURE["points_per_device"]
     assert set(table.column("run_id").to_pylist()) == {"first"}
+
+
+def test_catalog_table_in_and_registered_tables_out(spark, config, tmp_path, mixture_path):
+    spark.sql("CREATE DATABASE IF NOT EXISTS kfed_source")
+    spark.read.parquet(mixture_path).write.format("delta").saveAsTable("kfed_source.devices")
+    assert run_cli(config, "input.path=null", "input.table=kfed_source.devices", "output.database=kfed_test",
+                   f"output.path={tmp_path / 'catalogued'}") == 0
+    sizes = spark.sql(
+        "SELECT cluster_id, count(*) AS n FROM kfed_test.labels WHERE run_id = 'first' GROUP BY cluster_id"
+    ).collect()
+    assert sum(r.n for r in sizes) == MIXTURE["devices"] * MIXTURE["points_per_device"]
+    assert spark.sql("SELECT n_labelled FROM kfed_test.runs").first().n_labelled == sum(r.n for r in sizes)
+    assert spark.table("kfed_test.centers").count() == MIXTURE["k"]
