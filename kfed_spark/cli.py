@@ -84,7 +84,55 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="generate a small mixture, cluster it locally, print a summary")
     demo.add_argument("--folder", default=DEMO_FOLDER, help=f"where the demo writes (default ./{DEMO_FOLDER})")
     demo.set_defaults(handler=command_demo)
+    bench = commands.add_parser(
+        "bench", help="time k-FED on Spark against MLlib KMeans, a no-Spark floor and scikit-learn, in one process"
+    )
+    bench.add_argument("--data", help="a generated mixture (Parquet); default: generate one into --out")
+    bench.add_argument("--out", default="kfed-bench", help="folder for the data, the tables and the report")
+    bench.add_argument("--k", type=int, default=64, help="global clusters (default 64)")
+    bench.add_argument("--k-per-device", type=int, default=8, help="clusters per device (default 8)")
+    bench.add_argument("--devices", type=int, default=1000, help="devices to generate (default 1000)")
+    bench.add_argument("--points-per-device", type=int, default=500, help="rows per generated device (default 500)")
+    bench.add_argument("--dim", type=int, default=32, help="features to generate (default 32)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the data and of every method (default 0)")
+    bench.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    bench.add_argument("--driver-memory", default="2g", help="Spark driver memory (default 2g)")
+    bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
+    bench.set_defaults(handler=command_bench)
     return parser
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    from kfed_spark.benchmark import benchmark, write_report
+    from kfed_spark.config import SparkConfig
+    from kfed_spark.session import build_session
+    from kfed_spark.synthetic import write_mixture
+
+    out = Path(args.out).resolve()
+    data = args.data
+    if data is None:
+        data = str(out / "input")
+        write_mixture(data, k=args.k, k_per_device=args.k_per_device, devices=args.devices,
+                      points_per_device=args.points_per_device, dim=args.dim, seed=args.seed)
+    spark = build_session(
+        SparkConfig(
+            master=args.master,
+            app_name="kfed-spark-bench",
+            conf={
+                "spark.driver.memory": args.driver_memory,
+                "spark.sql.shuffle.partitions": "8",
+                "spark.databricks.delta.snapshotPartitions": "2",
+                "spark.ui.showConsoleProgress": "false",
+                "spark.log.level": "WARN",
+            },
+        )
+    )
+    command = "kfed-spark bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "kfed-spark bench"
+    report = benchmark(spark, data, out, args.k, args.k_per_device, args.seed, command, not args.no_sklearn)
+    write_report(report, out)
+    print(report.markdown())
+    print(f"report: {out / 'benchmark.md'} and {out / 'benchmark.json'}")
+    return 0
 
 
 def command_run(args: argparse.Namespace) -> int:

@@ -297,3 +297,60 @@ def nearest_device_center(
     dist[~device_center_valid[slots]] = np.inf
     labels = np.argmin(dist, axis=1)
     return labels, dist[np.arange(len(x)), labels]
+
+
+@dataclass(frozen=True)
+class FederatedClustering:
+    """k-FED over all devices in one process: per-row labels plus what the Spark job also reports."""
+
+    labels: np.ndarray  # (n,) global cluster per row
+    local_labels: np.ndarray  # (n,) local cluster per row, within its device
+    server: ServerClustering
+    local_counts: np.ndarray  # (m,) points per local center
+    local_devices: np.ndarray  # (m,) device of each local center
+
+
+def federated_kmeans(
+    x: np.ndarray,
+    devices: np.ndarray,
+    k: int,
+    k_per_device: int,
+    seed: int,
+    refine: str = "lloyd",
+    label_mode: str = "induced",
+    max_iter: int = 100,
+    tol: float = 1e-8,
+) -> FederatedClustering:
+    """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
+
+    It is the single-process floor of the benchmark and the reference the Spark job is tested against.
+    """
+    order = np.argsort(devices, kind="stable")
+    keys, starts = np.unique(devices[order], return_index=True)
+    ends = np.append(starts[1:], len(order))
+    results = [
+        local_step(x[order[s:e]], k_per_device, device_rng(seed, plain(key)), max_iter, tol)
+        for key, s, e in zip(keys, starts, ends)
+    ]
+    per_device = np.array([len(r.counts) for r in results])
+    local_devices = np.repeat(keys, per_device)
+    local_ids = np.concatenate([np.arange(m) for m in per_device])
+    server = server_step(
+        np.concatenate([r.centers for r in results]),
+        np.concatenate([r.counts for r in results]),
+        local_devices,
+        local_ids,
+        k,
+        refine,
+        tol=tol,
+    )
+    first_center = np.concatenate([[0], np.cumsum(per_device)[:-1]])
+    local_labels = np.empty(len(x), dtype=np.int64)
+    labels = np.empty(len(x), dtype=np.int64)
+    for index, (s, e) in enumerate(zip(starts, ends)):
+        rows = order[s:e]
+        local_labels[rows], _ = nearest_center(x[rows], results[index].centers)
+        labels[rows] = server.assignment[first_center[index] + local_labels[rows]]
+    if label_mode == "nearest":
+        labels, _ = nearest_center(x, server.centers)
+    return FederatedClustering(labels, local_labels, server, np.concatenate([r.counts for r in results]), local_devices)

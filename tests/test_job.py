@@ -14,6 +14,7 @@ from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
 from kfed_spark.io import TABLES
+from kfed_spark.kernels import federated_kmeans
 from kfed_spark.metrics import adjusted_rand_index
 
 from conftest import MIXTURE
@@ -85,6 +86,20 @@ def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_
     assert run.truth_cost == pytest.approx(planted, rel=1e-9)
     assert run.cost <= 1.02 * planted
     assert "ARI" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("label_mode", ["induced", "nearest"])
+def test_spark_job_equals_the_single_process_numpy_run(spark, config, tmp_path, mixture_path, label_mode):
+    """Same kernels, same seeds: the distributed job labels every row as federated_kmeans does."""
+    assert run_cli(config, f"label_mode={label_mode}", "server_refine=none") == 0
+    table = pq.read_table(mixture_path)
+    x = np.stack(table.column("features").to_numpy(zero_copy_only=False))
+    reference = federated_kmeans(x, table.column("device_id").to_numpy(), MIXTURE["k"], MIXTURE["k_per_device"],
+                                 seed=11, refine="none", label_mode=label_mode)
+    got = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id", "local_cluster_id").toPandas()
+    got = got.set_index("row_id").loc[table.column("row_id").to_numpy()]
+    np.testing.assert_array_equal(got.cluster_id.to_numpy(), reference.labels)
+    np.testing.assert_array_equal(got.local_cluster_id.to_numpy(), reference.local_labels)
 
 
 def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_path):

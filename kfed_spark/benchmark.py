@@ -1,0 +1,234 @@
+"""Side-by-side benchmark in one process and one SparkSession, on the same input.
+
+Contenders: the k-FED Spark job end to end (read -> Delta labels), Spark MLlib KMeans (fit,
+transform, the same Delta write), k-FED without Spark (pyarrow read, numpy kernels, pyarrow
+write: the floor), and scikit-learn KMeans on all rows (centralized reference). Ratios are the
+headline: the machine is shared and its absolute speed varies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kfed_spark.config import build_config
+from kfed_spark.kernels import federated_kmeans
+from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
+
+log = logging.getLogger("kfed_spark")
+
+
+@dataclass
+class Entry:
+    name: str
+    seconds: float
+    cost: float
+    ari: float
+    stages: dict[str, float] = field(default_factory=dict)
+    rows_per_second: float = 0.0
+    cost_ratio: float = 0.0
+
+
+@dataclass
+class Report:
+    rows: int
+    devices: int
+    dim: int
+    k: int
+    k_per_device: int
+    planted_cost: float
+    entries: list[Entry]
+    ratios: dict[str, float]
+    peak_memory_mb: dict[str, float]
+    command: str
+
+    def markdown(self) -> str:
+        lines = [
+            f"{self.rows:,} rows, {self.devices:,} devices, d = {self.dim}, k = {self.k}, "
+            f"{self.k_per_device} clusters per device; `{self.command}`",
+            "",
+            "| method | seconds | rows/s | k-means cost | cost / planted | ARI |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for e in self.entries:
+            lines.append(
+                f"| {e.name} | {e.seconds:.2f} | {e.rows_per_second:,.0f} | {e.cost:.6g} | {e.cost_ratio:.4f} | {e.ari:.4f} |"
+            )
+        lines += ["", "| ratio | value |", "| --- | ---: |"]
+        lines += [f"| {name} | {value:.2f} |" for name, value in self.ratios.items()]
+        for e in self.entries:
+            if e.stages:
+                lines += ["", f"{e.name}, stages (s): " + ", ".join(f"{s} {v:.2f}" for s, v in e.stages.items())]
+        if self.peak_memory_mb:
+            lines += ["", "peak resident memory (MB): " + ", ".join(f"{p} {v:,.0f}" for p, v in self.peak_memory_mb.items())]
+        return "\n".join(lines) + "\n"
+
+
+def planted(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """(features, device ids, truth) of a generated input, and the planted clusters' cost."""
+    table = pq.read_table(path, columns=["device_id", "features", "true_cluster"])
+    x = _features(table)
+    truth = table.column("true_cluster").to_numpy()
+    labels = np.unique(truth, return_inverse=True)[1]
+    sums = np.zeros((labels.max() + 1, x.shape[1]))
+    np.add.at(sums, labels, x)
+    cost = within_cluster_cost(np.bincount(labels), sums, np.bincount(labels, weights=np.einsum("ij,ij->i", x, x)))
+    return x, table.column("device_id").to_numpy(), truth, cost
+
+
+def _features(table: pa.Table) -> np.ndarray:
+    column = table.column("features").combine_chunks()
+    return np.asarray(column.flatten()).reshape(len(column), -1)
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int) -> tuple[Entry, np.ndarray]:
+    from pyspark.sql import functions as F
+
+    from kfed_spark.pipeline import run
+
+    cfg = build_config(
+        {
+            "input": {"path": data},
+            "output": {"path": str(out / "kfed")},
+            "k": k,
+            "k_per_device": k_per_device,
+            "seed": seed,
+            "run_id": "bench",
+        }
+    )
+    result, seconds = _timed(lambda: run(spark, cfg))
+    labels = (
+        spark.read.format("delta").load(str(out / "kfed" / "labels")).filter(F.col("run_id") == "bench")
+        .select("row_id", "cluster_id").toPandas().sort_values("row_id").cluster_id.to_numpy()
+    )
+    return Entry("k-FED on Spark, end to end", seconds, result.cost, 0.0, result.timings), labels
+
+
+def run_mllib(spark, data: str, out: Path, k: int, seed: int) -> tuple[Entry, Entry, np.ndarray]:
+    from pyspark.ml.clustering import KMeans
+    from pyspark.ml.functions import array_to_vector
+
+    start = time.perf_counter()
+    rows = spark.read.parquet(data).withColumn("features_vector", array_to_vector("features"))
+    model, fit_seconds = _timed(
+        lambda: KMeans(k=k, seed=seed, featuresCol="features_vector", predictionCol="cluster_id").fit(rows)
+    )
+    (
+        model.transform(rows).drop("features_vector")
+        .write.format("delta").mode("overwrite").save(str(out / "mllib_labels"))
+    )
+    total = time.perf_counter() - start
+    labels = (
+        spark.read.format("delta").load(str(out / "mllib_labels")).select("row_id", "cluster_id")
+        .toPandas().sort_values("row_id").cluster_id.to_numpy()
+    )
+    cost = model.summary.trainingCost
+    return (
+        Entry("Spark MLlib KMeans, fit only", fit_seconds, cost, 0.0),
+        Entry("Spark MLlib KMeans, fit + transform + Delta write", total, cost, 0.0),
+        labels,
+    )
+
+
+def run_floor(data: str, out: Path, k: int, k_per_device: int, seed: int) -> tuple[Entry, np.ndarray]:
+    """k-FED in this process without Spark: pyarrow read, numpy kernels, pyarrow write."""
+    stages = {}
+    start = time.perf_counter()
+    table = pq.read_table(data)
+    x = _features(table)
+    stages["read"] = time.perf_counter() - start
+    result, stages["cluster"] = _timed(
+        lambda: federated_kmeans(x, table.column("device_id").to_numpy(), k, k_per_device, seed)
+    )
+    _, stages["write"] = _timed(
+        lambda: pq.write_table(
+            table.append_column("local_cluster_id", pa.array(result.local_labels, type=pa.int32()))
+            .append_column("cluster_id", pa.array(result.labels, type=pa.int32())),
+            out / "floor_labels.parquet",
+        )
+    )
+    seconds = time.perf_counter() - start
+    cost = float(np.sum((x - result.server.centers[result.labels]) ** 2))
+    return Entry("k-FED without Spark (floor): pyarrow + numpy", seconds, cost, 0.0, {s: round(v, 3) for s, v in stages.items()}), \
+        result.labels[np.argsort(table.column("row_id").to_numpy())]
+
+
+def run_sklearn(x: np.ndarray, k: int, seed: int) -> tuple[Entry, np.ndarray]:
+    from sklearn.cluster import KMeans
+
+    model, seconds = _timed(lambda: KMeans(n_clusters=k, random_state=seed, n_init=1).fit(x))
+    return Entry("scikit-learn KMeans, all rows in one process", seconds, float(model.inertia_), 0.0), model.labels_
+
+
+def peak_memory_mb() -> dict[str, float]:
+    """Peak resident memory (VmHWM) of this Python driver, the Spark JVM and the largest Python worker."""
+    peaks: dict[str, float] = {}
+    me = os.getpid()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+            cmdline = (status.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "VmHWM" not in fields:
+            continue
+        megabytes = int(fields["VmHWM"].split()[0]) / 1024
+        if int(status.parent.name) == me:
+            role = "python driver"
+        elif "java" in fields.get("Name", "") and "pyspark" in cmdline:
+            role = "spark JVM (driver and executors in local mode)"
+        elif "pyspark.daemon" in cmdline or "pyspark.worker" in cmdline:
+            role = "largest python worker"
+        else:
+            continue
+        peaks[role] = max(peaks.get(role, 0.0), megabytes)
+    return peaks
+
+
+def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int, command: str,
+              with_sklearn: bool = True) -> Report:
+    from pyspark.sql import functions as F
+
+    out.mkdir(parents=True, exist_ok=True)
+    x, devices, truth, planted_cost = planted(data)
+    spark.read.parquet(data).select(F.sum(F.size("features"))).collect()  # warm the file cache and the JVM
+
+    kfed, kfed_labels = run_kfed_spark(spark, data, out, k, k_per_device, seed)
+    floor, floor_labels = run_floor(data, out, k, k_per_device, seed)
+    fit, mllib_total, mllib_labels = run_mllib(spark, data, out, k, seed)
+    measured = [(kfed, kfed_labels), (floor, floor_labels), (fit, mllib_labels), (mllib_total, mllib_labels)]
+    if with_sklearn:
+        sklearn, sklearn_labels = run_sklearn(x, k, seed)
+        measured.append((sklearn, sklearn_labels))
+    for entry, found in measured:
+        entry.ari = adjusted_rand_index(truth, found)
+        entry.cost_ratio = entry.cost / planted_cost
+        entry.rows_per_second = len(x) / entry.seconds
+    ratios = {
+        "MLlib fit time / k-FED end-to-end time (target >= 8)": fit.seconds / kfed.seconds,
+        "k-FED end-to-end time / no-Spark floor time (target <= 2.5)": kfed.seconds / floor.seconds,
+        "k-FED cost / MLlib cost (target <= 1)": kfed.cost / fit.cost,
+    }
+    if with_sklearn:
+        ratios["k-FED cost / scikit-learn cost (target <= 1)"] = kfed.cost / sklearn.cost
+    return Report(len(x), len(np.unique(devices)), x.shape[1], k, k_per_device, planted_cost,
+                  [entry for entry, _ in measured], ratios, peak_memory_mb(), command)
+
+
+def write_report(report: Report, out: Path) -> None:
+    (out / "benchmark.json").write_text(json.dumps(asdict(report), indent=2))
+    (out / "benchmark.md").write_text(report.markdown())
