@@ -12,7 +12,16 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kfed_spark.kernels import device_rng, local_step, nearest_center, nearest_device_center, plain, weighted_means
+from kfed_spark.kernels import (
+    LocalClustering,
+    device_rng,
+    local_step,
+    nearest_center,
+    nearest_device_center,
+    plain,
+    scale_counts,
+    weighted_means,
+)
 
 SQ_DIST_COL = "__kfed_sq_dist"
 """Internal column: a row's squared distance to its global center, summed into the run's cost."""
@@ -50,36 +59,47 @@ class LocalStepSpec:
     tol: float
     dim: int
     device_type: pa.DataType
+    max_rows: int
 
 
 def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalStepSpec) -> Iterator[pa.RecordBatch]:
     """Run alg. 1 once per device over batches of (device, features) rows sorted by device.
 
     A device's rows may span several batches and a batch may hold several devices: rows are
-    buffered until the device id changes. Yields (device, local_cluster_id, center, n_points, sse).
+    buffered until the device id changes. A device is clustered on its first spec.max_rows rows
+    (the caller orders each device's rows by a seeded hash, so these are a deterministic sample);
+    the rest are only counted, and its centers report counts and SSE for all of its rows.
+    Yields (device, local_cluster_id, center, n_points, sse).
     """
     out = _LocalCenterRows(spec.device_type)
-    pending_device, pending = None, []
+    device, kept, kept_rows, seen = None, [], 0, 0
     for batch in batches:
         devices = batch.column(0).to_numpy(zero_copy_only=False)
         x = feature_matrix(batch.column(1), spec.dim)
-        for device, start, end in device_runs(devices):
-            if pending and device != pending_device:
-                out.add(pending_device, _cluster(pending_device, pending, spec))
-                pending = []
-            pending_device = device
-            pending.append(x[start:end])
+        for run_device, start, end in device_runs(devices):
+            if seen and run_device != device:
+                out.add(device, _cluster(device, kept, seen, spec))
+                kept, kept_rows, seen = [], 0, 0
+            device = run_device
+            take = min(end - start, spec.max_rows - kept_rows)
+            if take > 0:
+                kept.append(x[start : start + take])
+                kept_rows += take
+            seen += end - start
         if len(out) >= LOCAL_OUTPUT_ROWS:
             yield out.flush()
-    if pending:
-        out.add(pending_device, _cluster(pending_device, pending, spec))
+    if seen:
+        out.add(device, _cluster(device, kept, seen, spec))
     if len(out):
         yield out.flush()
 
 
-def _cluster(device: object, parts: list[np.ndarray], spec: LocalStepSpec):
+def _cluster(device: object, parts: list[np.ndarray], seen: int, spec: LocalStepSpec) -> LocalClustering:
     x = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return local_step(x, spec.k, device_rng(spec.seed, device), spec.max_iter, spec.tol)
+    result = local_step(x, spec.k, device_rng(spec.seed, device), spec.max_iter, spec.tol)
+    if seen == len(x):
+        return result
+    return LocalClustering(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
 
 
 class _LocalCenterRows:

@@ -57,6 +57,7 @@ class KFedConfig:
     max_iter: int = 100
     tol: float = 1e-8
     local_partitions: int | None = None
+    max_rows_per_device: int = 100_000
 
 
 SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig}
@@ -139,6 +140,7 @@ def validate(cfg: KFedConfig) -> None:
         raise ConfigError(f"k_per_device ({cfg.k_per_device}) must not exceed k ({cfg.k})")
     _require_int("seed", cfg.seed, 0)
     _require_int("max_iter", cfg.max_iter, 1)
+    _require_int("max_rows_per_device", cfg.max_rows_per_device, 1)
     if cfg.local_partitions is not None:
         _require_int("local_partitions", cfg.local_partitions, 1)
     if not isinstance(cfg.tol, (int, float)) or cfg.tol < 0:

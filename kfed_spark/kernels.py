@@ -226,6 +226,20 @@ def local_step(
     return LocalClustering(centers[keep], mass[keep].astype(np.int64), sse[keep])
 
 
+def scale_counts(counts: np.ndarray, total: int) -> np.ndarray:
+    """Integer counts proportional to counts that add up to total (largest remainders get the rest).
+
+    A device clustered on a sample of its rows reports counts for all of its rows this way.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    exact = counts * (total / counts.sum())
+    scaled = np.floor(exact).astype(np.int64)
+    remainder = int(total - scaled.sum())
+    if remainder:
+        scaled[np.argsort(-(exact - scaled), kind="stable")[:remainder]] += 1
+    return scaled
+
+
 def server_step(
     centers: np.ndarray,
     counts: np.ndarray,

@@ -294,7 +294,9 @@ class LocalCenters:
 
 def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
     """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
-    spec = LocalStepSpec(cfg.k_per_device, cfg.seed, cfg.max_iter, cfg.tol, dim, to_arrow_type(device_type))
+    spec = LocalStepSpec(
+        cfg.k_per_device, cfg.seed, cfg.max_iter, cfg.tol, dim, to_arrow_type(device_type), cfg.max_rows_per_device
+    )
     schema = StructType(
         [
             StructField("device_id", device_type, False),
@@ -307,7 +309,10 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
     device = F.col(cfg.input.device_col).alias("device_id")
     rows = valid.select(device, F.col(FEATURES_COL))
     partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
-    shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
+    # Within a device, rows come in the order of a seeded hash of their values, so a device over
+    # max_rows_per_device is clustered on the same sample whatever the partitioning or row order.
+    sample_order = F.xxhash64(F.lit(cfg.seed), FEATURES_COL)
+    shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id", sample_order)
     table = shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema).toArrow()
     return LocalCenters.from_arrow(table, dim)
 

@@ -33,7 +33,7 @@ def test_devices_spanning_batches_are_clustered_once_on_all_their_rows(device_ty
     x = np.concatenate(list(data.values()))
     # 100-row batches: device 3 spans three batches, batch 3 holds devices 3, 8 and 11.
     batches = [rows_batch(devices[i : i + 100].tolist(), x[i : i + 100], device_type) for i in range(0, len(x), 100)]
-    spec = LocalStepSpec(k=3, seed=5, max_iter=100, tol=1e-8, dim=4, device_type=device_type)
+    spec = LocalStepSpec(k=3, seed=5, max_iter=100, tol=1e-8, dim=4, device_type=device_type, max_rows=1000)
     out = pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
     assert out.column("device_id").to_pylist().count(keys[3]) == 3
     for d, rows in data.items():
@@ -42,6 +42,19 @@ def test_devices_spanning_batches_are_clustered_once_on_all_their_rows(device_ty
         assert mine.column("n_points").to_pylist() == expected.counts.tolist()
         np.testing.assert_array_equal(np.array(mine.column("center").to_pylist()), expected.centers)
         assert mine.column("local_cluster_id").to_pylist() == list(range(len(expected.counts)))
+
+
+def test_a_device_over_the_row_bound_is_clustered_on_its_first_rows_and_counted_whole():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(250, 2)) + np.repeat([[0.0, 0.0], [30.0, 0.0]], 125, axis=0)
+    x = x[rng.permutation(250)]
+    batches = [rows_batch([4] * len(x[i : i + 100]), x[i : i + 100]) for i in range(0, 250, 100)]
+    spec = LocalStepSpec(k=2, seed=0, max_iter=100, tol=1e-8, dim=2, device_type=pa.int64(), max_rows=60)
+    out = pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
+    sample = local_step(x[:60], 2, device_rng(0, 4))
+    np.testing.assert_array_equal(np.array(out.column("center").to_pylist()), sample.centers)
+    assert sum(out.column("n_points").to_pylist()) == 250
+    np.testing.assert_allclose(out.column("sse").to_pylist(), sample.sse * 250 / 60)
 
 
 def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():

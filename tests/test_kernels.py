@@ -11,6 +11,7 @@ from kfed_spark.kernels import (
     margin_initial_centers,
     nearest_center,
     nearest_device_center,
+    scale_counts,
     server_step,
     squared_distances,
 )
@@ -205,3 +206,9 @@ def test_within_cluster_cost_from_moments():
     squared_norms = np.bincount(truth, weights=(x**2).sum(axis=1))
     expected = sum(((x[truth == j] - x[truth == j].mean(axis=0)) ** 2).sum() for j in range(4))
     assert within_cluster_cost(counts, sums, squared_norms) == pytest.approx(expected)
+
+
+def test_scale_counts_keeps_proportions_and_the_total():
+    np.testing.assert_array_equal(scale_counts(np.array([30, 30, 40]), 1000), [300, 300, 400])
+    scaled = scale_counts(np.array([1, 1, 1]), 100)
+    assert scaled.sum() == 100 and sorted(scaled) == [33, 33, 34]
