@@ -66,7 +66,7 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
     """Run alg. 1 once per device over batches of (device, features) rows sorted by device.
 
     A device's rows may span several batches and a batch may hold several devices: rows are
-    buffered until the device id changes. A device is clustered on its first spec.max_rows rows
+    buffered until the device id changes. Rows with a null, NaN or infinite value are skipped. A device is clustered on its first spec.max_rows rows
     (the caller orders each device's rows by a seeded hash, so these are a deterministic sample);
     the rest are only counted, and its centers report counts and SSE for all of its rows.
     Yields (device, local_cluster_id, center, n_points, sse).
@@ -76,6 +76,9 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
     for batch in batches:
         devices = batch.column(0).to_numpy(zero_copy_only=False)
         x = feature_matrix(batch.column(1), spec.dim)
+        finite = np.isfinite(x).all(axis=1)
+        if not finite.all():  # the labelling pass quarantines these rows
+            devices, x = devices[finite], x[finite]
         for run_device, start, end in device_runs(devices):
             if seen and run_device != device:
                 out.add(device, _cluster(device, kept, seen, spec))
@@ -182,20 +185,52 @@ class LabelModel:
         return local, cluster, sq_dist
 
 
+NON_FINITE = "non_finite_value"
+
+
 def label_batches(
-    batches: Iterator[pa.RecordBatch], model: LabelModel, device_col: str, features_col: str, dim: int
+    batches: Iterator[pa.RecordBatch],
+    model: LabelModel,
+    device_col: str,
+    features_col: str,
+    reason_col: str,
+    dim: int,
 ) -> Iterator[pa.RecordBatch]:
-    """Append local_cluster_id, cluster_id and the squared distance to every row; drop the features column."""
+    """Label every row whose reason is null; drop the features column.
+
+    Rows already carrying a reason pass through unlabelled. A row whose features hold a null,
+    NaN or infinite value gets the reason NON_FINITE here, where numpy checks it for next to
+    nothing. Appends local_cluster_id, cluster_id and the squared distance to the global center
+    (null for unlabelled rows) and keeps the reason column last.
+    """
     for batch in batches:
-        devices = batch.column(device_col).to_numpy(zero_copy_only=False)
-        x = feature_matrix(batch.column(features_col), dim)
-        local, cluster, sq_dist = model.label(devices, x)
-        keep = [name for name in batch.schema.names if name != features_col]
+        reasons = batch.column(reason_col).to_numpy(zero_copy_only=False).astype(object)
+        candidates = np.flatnonzero(pd.isna(reasons))
+        x = feature_matrix(batch.column(features_col).take(candidates), dim)
+        finite = np.isfinite(x).all(axis=1)
+        reasons[candidates[~finite]] = NON_FINITE
+        rows = candidates[finite]
+        devices = batch.column(device_col).take(rows).to_numpy(zero_copy_only=False)
+        local, cluster, sq_dist = model.label(devices, x[finite])
+        unlabelled = np.ones(batch.num_rows, dtype=bool)
+        unlabelled[rows] = False
+        keep = [name for name in batch.schema.names if name not in (features_col, reason_col)]
         yield pa.RecordBatch.from_arrays(
             [batch.column(name) for name in keep]
-            + [pa.array(local, type=pa.int32()), pa.array(cluster, type=pa.int32()), pa.array(sq_dist)],
-            names=keep + ["local_cluster_id", "cluster_id", SQ_DIST_COL],
+            + [
+                _scatter(local, rows, unlabelled, pa.int32()),
+                _scatter(cluster, rows, unlabelled, pa.int32()),
+                _scatter(sq_dist, rows, unlabelled, pa.float64()),
+                pa.array(reasons, type=pa.string()),
+            ],
+            names=keep + ["local_cluster_id", "cluster_id", SQ_DIST_COL, reason_col],
         )
+
+
+def _scatter(values: np.ndarray, rows: np.ndarray, unlabelled: np.ndarray, kind: pa.DataType) -> pa.Array:
+    full = np.zeros(len(unlabelled), dtype=values.dtype)
+    full[rows] = values
+    return pa.array(full, type=kind, mask=unlabelled)
 
 
 def label_moments(batches: Iterator[pa.RecordBatch], label_col: str, features_col: str, dim: int) -> Iterator[pa.RecordBatch]:
@@ -203,6 +238,8 @@ def label_moments(batches: Iterator[pa.RecordBatch], label_col: str, features_co
     for batch in batches:
         labels = batch.column(label_col).to_numpy(zero_copy_only=False)
         x = feature_matrix(batch.column(features_col), dim)
+        finite = np.isfinite(x).all(axis=1)
+        labels, x = labels[finite], x[finite]
         keys, index = np.unique(labels, return_inverse=True)
         means, counts = weighted_means(x, np.ones(len(x)), index, len(keys))
         sums = means * counts[:, None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
@@ -67,15 +68,16 @@ class OutputTables:
                 f"{extra or 'none'}; only in this run: {missing or 'none'}); use another output.path"
             )
 
-    def replace_run(self, name: str, df: DataFrame, run_id: str) -> None:
-        """Atomically replace this run's rows of one table (Delta replaceWhere); other runs stay."""
+    def replace_run(self, name: str, df: DataFrame, run_id: str, partition_by_run: bool = False) -> None:
+        """Atomically replace this run's rows of one table (Delta replaceWhere); other runs stay.
+
+        partition_by_run suits a table whose run slices are large (labels): replacing a
+        partition is a metadata operation, where a replaceWhere on a plain column must first
+        read the files that may hold the run's rows.
+        """
         path = self.path(name)
-        (
-            DeltaTable.createIfNotExists(self.spark)
-            .location(path)
-            .addColumns(df.schema)
-            .execute()
-        )
+        builder = DeltaTable.createIfNotExists(self.spark).location(path).addColumns(df.schema)
+        (builder.partitionedBy("run_id") if partition_by_run else builder).execute()
         (
             df.write.format("delta")
             .mode("overwrite")
@@ -84,6 +86,12 @@ class OutputTables:
             .save(path)
         )
         log.info("wrote %s for run %s", path, run_id)
+
+    def replace_runs(self, frames: dict[str, DataFrame], run_id: str) -> None:
+        """replace_run for several small tables at once: each commit is mostly fixed Delta overhead."""
+        with ThreadPoolExecutor(max_workers=len(frames)) as pool:
+            for future in [pool.submit(self.replace_run, name, df, run_id) for name, df in frames.items()]:
+                future.result()
 
     def register(self) -> None:
         """Name the tables in the catalog as <database>.<table>, for SQL users."""

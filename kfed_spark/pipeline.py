@@ -54,6 +54,7 @@ FEATURES_COL = "__kfed_features"
 REASON_COL = "__kfed_reason"
 ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id")
 RUN_ID_FIELD = StructField("run_id", StringType(), False)
+DIMENSION_SAMPLE_ROWS = 10_000
 
 RUNS_SCHEMA = StructType(
     [
@@ -125,7 +126,7 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
         raw = read_input(spark, cfg.input)
         checked, dim = validated(raw, cfg)
         tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
-    valid = checked.filter(F.col(REASON_COL).isNull()).drop(REASON_COL)
+    valid = checked.filter(F.col(REASON_COL).isNull())
 
     with timer.stage("local_step"):
         local = collect_local_centers(valid, cfg, dim, raw.schema[device_col].dataType)
@@ -147,33 +148,44 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
     with timer.stage("labels"):
         model = LabelModel.build(local.devices, local.ids, local.centers, server.assignment, server.centers,
                                  cfg.label_mode)
-        written = Observation("kfed_labels")
+        counted = Observation("kfed_rows")
+        labelled = label_rows(checked, model, raw.schema, device_col, dim)
         labels = (
-            label_rows(valid, model, raw.schema, device_col, dim)
-            .observe(written, F.count(F.lit(1)).alias("rows"), F.sum(SQ_DIST_COL).alias("cost"))
-            .drop(SQ_DIST_COL)
+            labelled.observe(
+                counted,
+                F.count(F.lit(1)).alias("rows"),
+                F.count(REASON_COL).alias("bad"),
+                F.sum(SQ_DIST_COL).alias("cost"),
+            )
+            .filter(F.col(REASON_COL).isNull())
+            .drop(SQ_DIST_COL, REASON_COL)
             .withColumn("run_id", F.lit(run_id))
         )
-        tables.replace_run("labels", labels, run_id)
-        n_labelled, cost = int(written.get["rows"]), float(written.get["cost"] or 0.0)
+        tables.replace_run("labels", labels, run_id, partition_by_run=True)
+        n_quarantined = int(counted.get["bad"])
+        n_labelled = int(counted.get["rows"]) - n_quarantined
+        cost = float(counted.get["cost"] or 0.0)
 
     with timer.stage("other_tables"):
-        quarantined = Observation("kfed_quarantine")
-        tables.replace_run(
-            "quarantine",
-            checked.filter(F.col(REASON_COL).isNotNull())
-            .drop(FEATURES_COL)
-            .withColumnRenamed(REASON_COL, "reason")
-            .withColumn("run_id", F.lit(run_id))
-            .observe(quarantined, F.count(F.lit(1)).alias("rows")),
+        quarantine_schema = StructType(list(raw.schema.fields) + [StructField("reason", StringType(), False), RUN_ID_FIELD])
+        if n_quarantined:  # a second labelling pass, only for dirty inputs
+            quarantine = (
+                labelled.filter(F.col(REASON_COL).isNotNull())
+                .withColumnRenamed(REASON_COL, "reason")
+                .withColumn("run_id", F.lit(run_id))
+                .select(quarantine_schema.fieldNames())
+            )
+        else:
+            quarantine = spark.createDataFrame([], quarantine_schema)
+        local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
+        tables.replace_runs(
+            {
+                "quarantine": quarantine,
+                "local_centers": spark.createDataFrame(local_with_cluster).withColumn("run_id", F.lit(run_id)),
+                "centers": centers_frame(spark, server, local, run_id),
+            },
             run_id,
         )
-        n_quarantined = int(quarantined.get["rows"])
-        local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
-        tables.replace_run(
-            "local_centers", spark.createDataFrame(local_with_cluster).withColumn("run_id", F.lit(run_id)), run_id
-        )
-        tables.replace_run("centers", centers_frame(spark, server, local, run_id), run_id)
 
     n_input = raw.count()
     if n_input != n_labelled + n_quarantined:
@@ -207,10 +219,13 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
 
 
 def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
-    """The input with a double-array features column and a reason column (null for good rows).
+    """The input with a double-array features column, its dimension, and a reason column.
 
-    A row is bad when its device is null, its features are null or empty, hold a null, NaN or
-    infinite value, or have another length than the table's dimension (the most common length).
+    The reason is set here when the device is null, the features are null or empty, or their
+    length differs from the table's dimension (the most common length among the first
+    DIMENSION_SAMPLE_ROWS rows). Null, NaN and infinite values are found by the Python
+    functions, where numpy checks them for free; a Spark SQL check per element costs a
+    lambda call per value.
     """
     inp = cfg.input
     columns = set(raw.columns)
@@ -223,6 +238,7 @@ def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
     sizes = (
         prepared.select(F.size(FEATURES_COL).alias("dim"))
         .filter("dim > 0")
+        .limit(DIMENSION_SAMPLE_ROWS)
         .groupBy("dim")
         .count()
         .orderBy(F.desc("count"), "dim")
@@ -239,13 +255,8 @@ def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
         .when(feature.isNull(), "null_features")
         .when(F.size(feature) == 0, "empty_features")
         .when(F.size(feature) != dim, F.lit(f"wrong_dimension (expected {dim})"))
-        .when(F.exists(feature, is_missing_or_infinite), "non_finite_value")
     )
     return prepared.withColumn(REASON_COL, reason), dim
-
-
-def is_missing_or_infinite(value: Column) -> Column:
-    return value.isNull() | F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
 
 
 def features_column(df: DataFrame, features: str | list[str]) -> Column:
@@ -320,15 +331,20 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
 def labelled_fields(raw_schema: StructType) -> list[StructField]:
     """The input's columns followed by the two cluster columns the labels table adds."""
     return list(raw_schema.fields) + [
-        StructField("local_cluster_id", IntegerType(), False),
-        StructField("cluster_id", IntegerType(), False),
+        StructField("local_cluster_id", IntegerType(), True),
+        StructField("cluster_id", IntegerType(), True),
     ]
 
 
-def label_rows(valid: DataFrame, model: LabelModel, raw_schema: StructType, device_col: str, dim: int) -> DataFrame:
-    """Every valid row with its local and global cluster (and, internally, its squared distance)."""
-    schema = StructType(labelled_fields(raw_schema) + [StructField(SQ_DIST_COL, DoubleType(), False)])
-    return valid.mapInArrow(lambda batches: label_batches(batches, model, device_col, FEATURES_COL, dim), schema)
+def label_rows(rows: DataFrame, model: LabelModel, raw_schema: StructType, device_col: str, dim: int) -> DataFrame:
+    """Every row with its local and global cluster, its squared distance and its reason (null if labelled)."""
+    schema = StructType(
+        labelled_fields(raw_schema)
+        + [StructField(SQ_DIST_COL, DoubleType(), True), StructField(REASON_COL, StringType(), True)]
+    )
+    return rows.mapInArrow(
+        lambda batches: label_batches(batches, model, device_col, FEATURES_COL, REASON_COL, dim), schema
+    )
 
 
 def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCenters, run_id: str) -> DataFrame:

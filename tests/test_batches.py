@@ -66,19 +66,45 @@ def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():
         global_centers=np.array([[10.0], [1.0]]),
         label_mode="induced",
     )
-    batch = rows_batch([9, 7, 7], np.array([[9.0], [9.0], [1.0]]))
-    out = pa.Table.from_batches(list(label_batches(iter([batch]), model, "device_id", "features", 1)))
-    assert out.column_names == ["device_id", "local_cluster_id", "cluster_id", "__kfed_sq_dist"]
+    batch = with_reasons(rows_batch([9, 7, 7], np.array([[9.0], [9.0], [1.0]])), [None, None, None])
+    out = pa.Table.from_batches(list(label_batches(iter([batch]), model, "device_id", "features", "reason", 1)))
+    assert out.column_names == ["device_id", "local_cluster_id", "cluster_id", "__kfed_sq_dist", "reason"]
     assert out.column("local_cluster_id").to_pylist() == [0, 1, 0]
     assert out.column("cluster_id").to_pylist() == [1, 0, 1]  # device 9's only center is in cluster 1
     assert out.column("__kfed_sq_dist").to_pylist() == [64.0, 1.0, 0.0]
     nearest = LabelModel.build(np.array([7, 7, 9]), np.array([0, 1, 0]), model.device_centers[[0, 0, 1], [0, 1, 0]],
                                np.array([1, 0, 1]), model.global_centers, "nearest")
-    out = pa.Table.from_batches(list(label_batches(iter([batch]), nearest, "device_id", "features", 1)))
+    out = pa.Table.from_batches(list(label_batches(iter([batch]), nearest, "device_id", "features", "reason", 1)))
     assert out.column("cluster_id").to_pylist() == [0, 0, 1]
+
+
+def with_reasons(batch, reasons):
+    return pa.RecordBatch.from_arrays(
+        list(batch.columns) + [pa.array(reasons, type=pa.string())], names=batch.schema.names + ["reason"]
+    )
+
+
+def test_rows_with_a_reason_or_non_finite_values_pass_through_unlabelled():
+    model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0, 0.0]]), np.array([0]),
+                             np.array([[0.0, 0.0]]), "induced")
+    x = np.array([[1.0, 0.0], [np.nan, 0.0], [0.0, np.inf], [2.0, 0.0]])
+    batch = with_reasons(rows_batch([1, 1, 1, None], x), [None, None, None, "null_device"])
+    out = pa.Table.from_batches(list(label_batches(iter([batch]), model, "device_id", "features", "reason", 2)))
+    assert out.column("reason").to_pylist() == [None, "non_finite_value", "non_finite_value", "null_device"]
+    assert out.column("cluster_id").to_pylist() == [0, None, None, None]
+    assert out.column("__kfed_sq_dist").to_pylist() == [1.0, None, None, None]
+
+
+def test_local_step_skips_non_finite_rows():
+    x = np.array([[0.0], [np.nan], [10.0], [np.inf]])
+    spec = LocalStepSpec(k=2, seed=0, max_iter=10, tol=0.0, dim=1, device_type=pa.int64(), max_rows=100)
+    out = pa.Table.from_batches(list(local_centers_from_batches(iter([rows_batch([1, 1, 1, 1], x)]), spec)))
+    assert out.column("center").to_pylist() == [[0.0], [10.0]]
+    assert out.column("n_points").to_pylist() == [1, 1]
 
 
 def test_labelling_a_device_without_local_centers_fails_clearly():
     model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0]]), np.array([0]), np.array([[0.0]]), "induced")
+    batch = with_reasons(rows_batch([2], np.array([[1.0]])), [None])
     with pytest.raises(ValueError, match="device 2 has no local centers"):
-        list(label_batches(iter([rows_batch([2], np.array([[1.0]]))]), model, "device_id", "features", 1))
+        list(label_batches(iter([batch]), model, "device_id", "features", "reason", 1))
