@@ -235,3 +235,25 @@ def test_catalog_table_in_and_registered_tables_out(spark, config, tmp_path, mix
     assert sum(r.n for r in sizes) == MIXTURE["devices"] * MIXTURE["points_per_device"]
     assert spark.sql("SELECT n_labelled FROM kfed_test.runs").first().n_labelled == sum(r.n for r in sizes)
     assert spark.table("kfed_test.centers").count() == MIXTURE["k"]
+
+
+def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(spark, tmp_path):
+    """max_rows_per_device bounds a worker's memory; every row of the big device is still labelled."""
+    rng = np.random.default_rng(0)
+    means = np.array([[0.0, 0.0], [20.0, 0.0], [0.0, 20.0], [20.0, 20.0]])
+    devices = np.concatenate([np.zeros(900, dtype=np.int64), np.repeat(np.arange(1, 21), 100)])
+    truth = np.where(devices == 0, rng.integers(0, 2, len(devices)), 2 + rng.integers(0, 2, len(devices)))
+    x = means[truth] + rng.standard_normal((len(devices), 2))
+    rows = [(i, int(d), xs.tolist(), int(t)) for i, (d, xs, t) in enumerate(zip(devices, x, truth))]
+    spark.createDataFrame(rows, "row_id long, device_id long, features array<double>, true_cluster int") \
+        .write.parquet(str(tmp_path / "skewed"))
+    args = ["run", "--config", str(write_empty_config(tmp_path))]
+    for item in [f"input.path={tmp_path / 'skewed'}", f"output.path={tmp_path / 'out'}", "k=4", "k_per_device=2",
+                 "max_rows_per_device=150", "run_id=skew", "input.truth_col=true_cluster"]:
+        args += ["--set", item]
+    assert main(args) == 0
+    run = spark.read.format("delta").load(str(tmp_path / "out" / "runs")).first()
+    assert run.n_labelled == len(rows) and run.ari == pytest.approx(1.0)
+    local = spark.read.format("delta").load(str(tmp_path / "out" / "local_centers")).toPandas()
+    assert local[local.device_id == 0].n_points.sum() == 900
+    assert local.n_points.sum() == len(rows)
