@@ -273,8 +273,9 @@ def server_step(
     if len(seeds) > k:
         raise ValueError(f"device {plain(devices[seed_index])!r} has {len(seeds)} local centers, more than k = {k}")
     _, to_seeds = nearest_center(ordered, ordered[seeds])
+    norms = np.einsum("ij,ij->i", ordered, ordered)
     # |x|^2 - 2x.c + |c|^2 leaves rounding residue for equal points: below this, a center is a duplicate.
-    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(np.einsum("ij,ij->i", ordered, ordered)))
+    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
     while len(seeds) < k:
         farthest = int(np.argmax(to_seeds))
         if to_seeds[farthest] <= duplicate_below:
@@ -283,7 +284,11 @@ def server_step(
                 f"lower k or raise k_per_device"
             )
         seeds.append(farthest)
-        np.minimum(to_seeds, squared_distances(ordered, ordered[farthest : farthest + 1])[:, 0], out=to_seeds)
+        to_new = ordered @ ordered[farthest]
+        to_new *= -2.0
+        to_new += norms
+        to_new += norms[farthest]
+        np.minimum(to_seeds, to_new, out=to_seeds)
     global_centers = ordered[seeds].copy()
     weights = np.asarray(counts, dtype=np.float64)[order]
     rounds = 0
