@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 from delta.tables import DeltaTable
@@ -37,12 +39,18 @@ def first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def absolute(path: str) -> str:
+    """A local path made absolute (Delta's table builder takes a relative location for a table
+    name); a URI such as s3a://bucket/x or file:/x is returned unchanged."""
+    return path if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path) else os.path.abspath(path)
+
+
 class OutputTables:
     """The Delta tables of one output location; each run owns the rows with its run_id."""
 
     def __init__(self, spark: SparkSession, output: OutputConfig):
         self.spark = spark
-        self.root = str(output.path).rstrip("/")
+        self.root = absolute(str(output.path)).rstrip("/")
         self.database = output.database
 
     def path(self, name: str) -> str:

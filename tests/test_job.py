@@ -257,3 +257,9 @@ def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(s
     local = spark.read.format("delta").load(str(tmp_path / "out" / "local_centers")).toPandas()
     assert local[local.device_id == 0].n_points.sum() == 900
     assert local.n_points.sum() == len(rows)
+
+
+def test_relative_output_path_is_taken_from_the_working_directory(spark, config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(config, "output.path=relative-out") == 0
+    assert labels_of(spark, tmp_path / "relative-out", "first").count() == MIXTURE["devices"] * MIXTURE["points_per_device"]
