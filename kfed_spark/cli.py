@@ -73,33 +73,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="write a heterogeneous Gaussian mixture as Parquet")
     generate.add_argument("--out", required=True, help="output folder for the Parquet file")
-    generate.add_argument("--k", type=int, default=64, help="number of clusters in the mixture (default 64)")
-    generate.add_argument("--k-per-device", type=int, default=8, help="clusters each device holds (default 8)")
-    generate.add_argument("--devices", type=int, default=1000, help="number of devices (default 1000)")
-    generate.add_argument("--points-per-device", type=int, default=500, help="rows per device (default 500)")
-    generate.add_argument("--dim", type=int, default=32, help="number of features (default 32)")
-    generate.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    add_mixture_arguments(generate)
     generate.set_defaults(handler=command_generate)
 
     demo = commands.add_parser("demo", help="generate a small mixture, cluster it locally, print a summary")
     demo.add_argument("--folder", default=DEMO_FOLDER, help=f"where the demo writes (default ./{DEMO_FOLDER})")
     demo.set_defaults(handler=command_demo)
+
     bench = commands.add_parser(
         "bench", help="time k-FED on Spark against MLlib KMeans, a no-Spark floor and scikit-learn, in one process"
     )
     bench.add_argument("--data", help="a generated mixture (Parquet); default: generate one into --out")
     bench.add_argument("--out", default="kfed-bench", help="folder for the data, the tables and the report")
-    bench.add_argument("--k", type=int, default=64, help="global clusters (default 64)")
-    bench.add_argument("--k-per-device", type=int, default=8, help="clusters per device (default 8)")
-    bench.add_argument("--devices", type=int, default=1000, help="devices to generate (default 1000)")
-    bench.add_argument("--points-per-device", type=int, default=500, help="rows per generated device (default 500)")
-    bench.add_argument("--dim", type=int, default=32, help="features to generate (default 32)")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the data and of every method (default 0)")
+    add_mixture_arguments(bench)
     bench.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
     bench.add_argument("--driver-memory", default="2g", help="Spark driver memory (default 2g)")
     bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
     bench.set_defaults(handler=command_bench)
     return parser
+
+
+def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape of a generated mixture; k and k-per-device are also what the benchmark clusters with."""
+    parser.add_argument("--k", type=int, default=64, help="clusters in the mixture (default 64)")
+    parser.add_argument("--k-per-device", type=int, default=8, help="clusters each device holds (default 8)")
+    parser.add_argument("--devices", type=int, default=1000, help="number of devices (default 1000)")
+    parser.add_argument("--points-per-device", type=int, default=500, help="rows per device (default 500)")
+    parser.add_argument("--dim", type=int, default=32, help="number of features (default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and of every method (default 0)")
 
 
 def command_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,33 @@
+"""The benchmark's report on a tiny mixture: every contender measured, ratios and files written."""
+
+import json
+
+from kfed_spark.benchmark import benchmark, write_report
+from kfed_spark.synthetic import write_mixture
+
+
+def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
+    data = tmp_path / "input"
+    write_mixture(data, k=6, k_per_device=2, devices=30, points_per_device=40, dim=3, seed=2)
+    report = benchmark(spark, str(data), tmp_path / "bench", k=6, k_per_device=2, seed=2, command="test")
+    write_report(report, tmp_path / "bench")
+
+    names = [e.name for e in report.entries]
+    assert names == [
+        "k-FED on Spark, end to end",
+        "k-FED without Spark (floor): pyarrow + numpy",
+        "Spark MLlib KMeans, fit only",
+        "Spark MLlib KMeans, fit + transform + Delta write",
+        "scikit-learn KMeans, all rows in one process",
+    ]
+    kfed, floor = report.entries[0], report.entries[1]
+    assert kfed.ari == floor.ari and abs(kfed.cost - floor.cost) <= 1e-9 * floor.cost  # same kernels, same seeds
+    assert kfed.ari > 0.95 and kfed.cost_ratio < 1.05
+    assert set(kfed.stages) >= {"validate", "local_step", "server_step", "labels", "other_tables"}
+    assert all(e.seconds > 0 and e.rows_per_second > 0 for e in report.entries)
+    assert len(report.ratios) == 4
+
+    saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
+    assert saved["rows"] == 1200 and len(saved["entries"]) == 5
+    markdown = (tmp_path / "bench" / "benchmark.md").read_text()
+    assert "| k-FED on Spark, end to end |" in markdown and "MLlib fit time / k-FED end-to-end time" in markdown
