@@ -76,16 +76,20 @@ class OutputTables:
                 f"{extra or 'none'}; only in this run: {missing or 'none'}); use another output.path"
             )
 
-    def replace_run(self, name: str, df: DataFrame, run_id: str, partition_by_run: bool = False) -> None:
+    def replace_run(self, name: str, df: DataFrame, run_id: str) -> None:
         """Atomically replace this run's rows of one table (Delta replaceWhere); other runs stay.
 
-        partition_by_run suits a table whose run slices are large (labels): replacing a
-        partition is a metadata operation, where a replaceWhere on a plain column must first
-        read the files that may hold the run's rows.
+        Tables are partitioned by run_id, so the replacement drops whole partitions from the log
+        instead of reading the files that may hold the run's rows (seconds per table otherwise).
         """
         path = self.path(name)
-        builder = DeltaTable.createIfNotExists(self.spark).location(path).addColumns(df.schema)
-        (builder.partitionedBy("run_id") if partition_by_run else builder).execute()
+        (
+            DeltaTable.createIfNotExists(self.spark)
+            .location(path)
+            .addColumns(df.schema)
+            .partitionedBy("run_id")
+            .execute()
+        )
         (
             df.write.format("delta")
             .mode("overwrite")

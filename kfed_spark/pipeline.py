@@ -161,7 +161,7 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
             .drop(SQ_DIST_COL, REASON_COL)
             .withColumn("run_id", F.lit(run_id))
         )
-        tables.replace_run("labels", labels, run_id, partition_by_run=True)
+        tables.replace_run("labels", labels, run_id)
         n_quarantined = int(counted.get["bad"])
         n_labelled = int(counted.get["rows"]) - n_quarantined
         cost = float(counted.get["cost"] or 0.0)
