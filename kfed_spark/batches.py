@@ -60,6 +60,7 @@ class LocalStepSpec:
     dim: int
     device_type: pa.DataType
     max_rows: int
+    fail_first_attempt: bool = False
 
 
 def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalStepSpec) -> Iterator[pa.RecordBatch]:
@@ -71,6 +72,8 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
     the rest are only counted, and its centers report counts and SSE for all of its rows.
     Yields (device, local_cluster_id, center, n_points, sse).
     """
+    if spec.fail_first_attempt:
+        _fail_if_first_attempt()
     out = _LocalCenterRows(spec.device_type)
     device, kept, kept_rows, seen = None, [], 0, 0
     for batch in batches:
@@ -95,6 +98,15 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
         out.add(device, _cluster(device, kept, seen, spec))
     if len(out):
         yield out.flush()
+
+
+def _fail_if_first_attempt() -> None:
+    """The test-only fault inject_failure=local_step_first_attempt: Spark must retry the task."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    if context is not None and context.attemptNumber() == 0:
+        raise RuntimeError(f"injected failure in the first attempt of local-step task {context.partitionId()}")
 
 
 def _cluster(device: object, parts: list[np.ndarray], seen: int, spec: LocalStepSpec) -> LocalClustering:

@@ -17,6 +17,8 @@ RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 IDENTIFIER_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,2}$")
 INPUT_FORMATS = ("parquet", "delta", "csv", "json", "orc")
+INJECTED_FAILURES = (None, "local_step_first_attempt", "after_labels")
+"""Test-only faults: fail each local-step task's first attempt, or fail the run after the labels commit."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class KFedConfig:
     tol: float = 1e-8
     local_partitions: int | None = None
     max_rows_per_device: int = 100_000
+    on_bad_rows: str = "quarantine"
+    inject_failure: str | None = None
 
 
 SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig}
@@ -147,6 +151,10 @@ def validate(cfg: KFedConfig) -> None:
         raise ConfigError(f"tol must be a number >= 0, got {cfg.tol!r}")
     if cfg.server_refine not in ("lloyd", "none"):
         raise ConfigError(f"server_refine must be 'lloyd' or 'none', got {cfg.server_refine!r}")
+    if cfg.on_bad_rows not in ("quarantine", "fail"):
+        raise ConfigError(f"on_bad_rows must be 'quarantine' or 'fail', got {cfg.on_bad_rows!r}")
+    if cfg.inject_failure not in INJECTED_FAILURES:
+        raise ConfigError(f"inject_failure (for tests) must be one of {INJECTED_FAILURES[1:]}, got {cfg.inject_failure!r}")
     if cfg.label_mode not in ("induced", "nearest"):
         raise ConfigError(f"label_mode must be 'induced' or 'nearest', got {cfg.label_mode!r}")
     if cfg.run_id is not None and not (isinstance(cfg.run_id, str) and RUN_ID_PATTERN.match(cfg.run_id)):

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from kfed_spark.config import InputConfig, OutputConfig
@@ -52,6 +55,7 @@ class OutputTables:
         self.spark = spark
         self.root = absolute(str(output.path)).rstrip("/")
         self.database = output.database
+        self._version_before_run: dict[str, int | None] = {}
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -83,6 +87,8 @@ class OutputTables:
         instead of reading the files that may hold the run's rows (seconds per table otherwise).
         """
         path = self.path(name)
+        if name not in self._version_before_run:
+            self._version_before_run[name] = self._version(name)
         (
             DeltaTable.createIfNotExists(self.spark)
             .location(path)
@@ -98,6 +104,41 @@ class OutputTables:
             .save(path)
         )
         log.info("wrote %s for run %s", path, run_id)
+
+    def _version(self, name: str) -> int | None:
+        if not self.exists(name):
+            return None
+        return DeltaTable.forPath(self.spark, self.path(name)).history(1).first()["version"]
+
+    @contextmanager
+    def undo_on_failure(self, run_id: str) -> Iterator[None]:
+        """If the block fails, put back every table's slice of run_id as it was before the run.
+
+        Delta commits one table at a time; this makes a failed run leave no partial rows: each
+        table it wrote gets its previous slice of this run id back (read by time travel, or
+        nothing if the run id is new) in one more replaceWhere commit. Other runs' rows, even
+        those committed meanwhile by other writers, are not touched.
+        """
+        try:
+            yield
+        except BaseException:
+            for name, version in self._version_before_run.items():
+                path = self.path(name)
+                current = self.read(name)
+                if version is None:
+                    previous = self.spark.createDataFrame([], current.schema)
+                else:
+                    previous = self.spark.read.format("delta").option("versionAsOf", version).load(path)
+                (
+                    previous.filter(F.col("run_id") == run_id)
+                    .write.format("delta")
+                    .mode("overwrite")
+                    .option("replaceWhere", f"run_id = '{run_id}'")
+                    .option("userMetadata", f"kfed-spark undo of failed run {run_id}")
+                    .save(path)
+                )
+                log.warning("run %s failed: restored its slice of %s", run_id, path)
+            raise
 
     def replace_runs(self, frames: dict[str, DataFrame], run_id: str) -> None:
         """replace_run for several small tables at once: each commit is mostly fixed Delta overhead."""

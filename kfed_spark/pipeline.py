@@ -145,11 +145,32 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
             len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
         )
 
+    model = LabelModel.build(local.devices, local.ids, local.centers, server.assignment, server.centers,
+                             cfg.label_mode)
+    labelled = label_rows(checked, model, raw.schema, device_col, dim)
+    if cfg.on_bad_rows == "fail":
+        refuse_bad_rows(labelled)
+    with tables.undo_on_failure(run_id):
+        return write_run(spark, cfg, run_id, started_at, timer, tables, raw, valid, labelled, local, server, dim)
+
+
+def write_run(
+    spark: SparkSession,
+    cfg: KFedConfig,
+    run_id: str,
+    started_at: datetime,
+    timer: StageTimer,
+    tables: OutputTables,
+    raw: DataFrame,
+    valid: DataFrame,
+    labelled: DataFrame,
+    local: LocalCenters,
+    server: ServerClustering,
+    dim: int,
+) -> RunResult:
+    """Write every table's slice of the run, the runs row last, and check that no row was lost."""
     with timer.stage("labels"):
-        model = LabelModel.build(local.devices, local.ids, local.centers, server.assignment, server.centers,
-                                 cfg.label_mode)
         counted = Observation("kfed_rows")
-        labelled = label_rows(checked, model, raw.schema, device_col, dim)
         labels = (
             labelled.observe(
                 counted,
@@ -162,6 +183,8 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
             .withColumn("run_id", F.lit(run_id))
         )
         tables.replace_run("labels", labels, run_id)
+        if cfg.inject_failure == "after_labels":
+            raise KFedError("injected failure after the labels commit (inject_failure: after_labels)")
         n_quarantined = int(counted.get["bad"])
         n_labelled = int(counted.get["rows"]) - n_quarantined
         cost = float(counted.get["cost"] or 0.0)
@@ -203,7 +226,7 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
         n_input=n_input,
         n_labelled=n_labelled,
         n_quarantined=n_quarantined,
-        n_devices=len(model.devices),
+        n_devices=len(np.unique(local.devices)),
         n_local_centers=len(local.counts),
         dim=dim,
         cost=cost,
@@ -216,6 +239,18 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
     tables.register()
     log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, n_labelled, n_quarantined, cost)
     return result
+
+
+def refuse_bad_rows(labelled: DataFrame) -> None:
+    """on_bad_rows: fail. Count the bad rows by reason (one more pass) and stop before writing."""
+    by_reason = labelled.filter(F.col(REASON_COL).isNotNull()).groupBy(REASON_COL).count().collect()
+    if by_reason:
+        counts = sorted(((row[REASON_COL], row["count"]) for row in by_reason), key=lambda rc: -rc[1])
+        total = sum(count for _, count in counts)
+        raise InputError(
+            f"{total} bad input rows ({', '.join(f'{reason}: {count}' for reason, count in counts)}) "
+            "and on_bad_rows is 'fail'; nothing was written"
+        )
 
 
 def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
@@ -306,7 +341,14 @@ class LocalCenters:
 def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
     """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
     spec = LocalStepSpec(
-        cfg.k_per_device, cfg.seed, cfg.max_iter, cfg.tol, dim, to_arrow_type(device_type), cfg.max_rows_per_device
+        cfg.k_per_device,
+        cfg.seed,
+        cfg.max_iter,
+        cfg.tol,
+        dim,
+        to_arrow_type(device_type),
+        cfg.max_rows_per_device,
+        fail_first_attempt=cfg.inject_failure == "local_step_first_attempt",
     )
     schema = StructType(
         [

@@ -1,0 +1,141 @@
+"""Bad input, faults and re-runs: every row accounted for, every error clear, no partial runs."""
+
+import subprocess
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pyspark.sql import functions as F
+
+from kfed_spark.cli import main
+from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.session import delta_package
+
+from conftest import MIXTURE
+from test_job import ROOT, labels_of, run_cli, write_empty_config
+
+N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
+
+
+@pytest.fixture()
+def config(tmp_path, mixture_path):
+    path = tmp_path / "kfed.yaml"
+    path.write_text(
+        f"""
+input: {{path: "{mixture_path}", truth_col: true_cluster}}
+output: {{path: "{tmp_path / 'out'}"}}
+k: {MIXTURE['k']}
+k_per_device: {MIXTURE['k_per_device']}
+seed: 11
+run_id: first
+"""
+    )
+    return path
+
+
+def sorted_labels(spark, out, run_id="first"):
+    return labels_of(spark, out, run_id).select("row_id", "cluster_id", "local_cluster_id").orderBy("row_id").collect()
+
+
+def dirty_input(spark, path):
+    rows = [(1, "a", [0.0, 0.0]), (2, "a", [9.0, 9.0]), (3, "b", [0.1, 0.0]), (4, "b", [9.0, 9.1]),
+            (5, None, [1.0, 1.0]), (6, "a", [float("nan"), 0.0]), (7, "b", [1.0, None])]
+    spark.createDataFrame(rows, "row_id long, device_id string, features array<double>").write.parquet(str(path))
+
+
+def test_on_bad_rows_fail_names_reasons_and_counts_and_writes_nothing(spark, tmp_path, capsys):
+    dirty_input(spark, tmp_path / "dirty")
+    args = ["run", "--config", str(write_empty_config(tmp_path))]
+    for item in [f"input.path={tmp_path / 'dirty'}", f"output.path={tmp_path / 'out'}", "k=2", "k_per_device=2",
+                 "on_bad_rows=fail"]:
+        args += ["--set", item]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kfed-spark: error: 3 bad input rows (non_finite_value: 2, null_device: 1) and on_bad_rows is 'fail'; "
+        "nothing was written"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_null_values_inside_features_are_quarantined(spark, tmp_path):
+    dirty_input(spark, tmp_path / "dirty")
+    assert main(["run", "--config", str(write_empty_config(tmp_path)), "--set", f"input.path={tmp_path / 'dirty'}",
+                 "--set", f"output.path={tmp_path / 'out'}", "--set", "k=2", "--set", "run_id=r"]) == 0
+    quarantine = spark.read.format("delta").load(str(tmp_path / "out" / "quarantine")).toPandas()
+    assert dict(zip(quarantine.row_id, quarantine.reason)) == {
+        5: "null_device", 6: "non_finite_value", 7: "non_finite_value"
+    }
+
+
+def test_empty_input_is_a_clear_error(spark, tmp_path, capsys):
+    spark.createDataFrame([], "device_id long, features array<double>").write.parquet(str(tmp_path / "empty"))
+    assert main(["run", "--config", str(write_empty_config(tmp_path)), "--set", f"input.path={tmp_path / 'empty'}",
+                 "--set", f"output.path={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err.strip() == "kfed-spark: error: the input has no rows"
+
+
+def test_output_holding_another_schema_is_refused_before_any_work(spark, config, tmp_path, capsys):
+    spark.createDataFrame([(1, "x")], "a long, run_id string").write.format("delta").save(
+        str(tmp_path / "other" / "labels"))
+    assert run_cli(config, f"output.path={tmp_path / 'other'}") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kfed-spark: error: output table {tmp_path / 'other' / 'labels'} holds another schema")
+    assert "only in the table: ['a']" in err
+
+
+def test_partitioning_and_row_order_do_not_change_labels(spark, config, tmp_path, mixture_path):
+    table = pq.read_table(mixture_path)
+    shuffled = table.take(np.random.default_rng(0).permutation(table.num_rows))
+    (tmp_path / "shuffled").mkdir()
+    for i, part in enumerate(np.array_split(np.arange(table.num_rows), 5)):
+        pq.write_table(shuffled.take(part), tmp_path / "shuffled" / f"part-{i}.parquet")
+    assert run_cli(config) == 0
+    assert run_cli(config, f"input.path={tmp_path / 'shuffled'}", "local_partitions=5",
+                   f"output.path={tmp_path / 'out_shuffled'}") == 0
+    assert run_cli(config, "local_partitions=1", f"output.path={tmp_path / 'out_one'}") == 0  # all devices collide
+    expected = sorted_labels(spark, tmp_path / "out")
+    assert sorted_labels(spark, tmp_path / "out_shuffled") == expected
+    assert sorted_labels(spark, tmp_path / "out_one") == expected
+
+
+def test_a_failure_after_the_labels_commit_leaves_no_partial_run(spark, config, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_cli(config) == 0
+    before = sorted_labels(spark, out)
+    assert run_cli(config, "run_id=second", "inject_failure=after_labels") == 2
+    assert "injected failure after the labels commit" in capsys.readouterr().err
+    for name in ("labels", "runs", "centers", "local_centers", "quarantine"):
+        table = spark.read.format("delta").load(str(out / name))
+        assert table.filter(F.col("run_id") == "second").count() == 0, name
+    # A failed re-run of an existing run id gives back that run's previous rows.
+    assert run_cli(config, "seed=12", "inject_failure=after_labels") == 2
+    assert sorted_labels(spark, out) == before
+    assert spark.read.format("delta").load(str(out / "runs")).count() == 1
+
+
+def test_a_retried_local_step_gives_the_same_labels(spark, config, tmp_path):
+    """Every local-step task fails once; Spark retries it (local[2,4]); labels equal an undisturbed run."""
+    from pyspark.find_spark_home import _find_spark_home
+
+    assert run_cli(config) == 0
+    submit = [str(_find_spark_home() + "/bin/spark-submit"), "--master", "local[2,4]", "--packages", delta_package(),
+              "--conf", "spark.ui.enabled=false", "--conf", "spark.databricks.delta.snapshotPartitions=2",
+              "--conf", "spark.sql.shuffle.partitions=2", str(ROOT / "jobs" / "kfed_job.py"), "--config", str(config),
+              "--set", f"output.path={tmp_path / 'retried'}", "--set", "inject_failure=local_step_first_attempt"]
+    result = subprocess.run(submit, capture_output=True, text=True, check=False, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "injected failure in the first attempt of local-step task" in result.stderr
+    assert sorted_labels(spark, tmp_path / "retried") == sorted_labels(spark, tmp_path / "out")
+
+
+def test_dropping_a_fifth_of_the_devices_keeps_the_clusters(spark, config, tmp_path, mixture_path):
+    table = pq.read_table(mixture_path)
+    devices = np.unique(table.column("device_id").to_numpy())
+    kept = np.random.default_rng(1).choice(devices, size=int(0.8 * len(devices)), replace=False)
+    pq.write_table(table.filter(pa.compute.is_in(table.column("device_id"), pa.array(kept))),
+                   tmp_path / "remaining.parquet")
+    assert run_cli(config, f"input.path={tmp_path / 'remaining.parquet'}") == 0
+    cells = labels_of(spark, tmp_path / "out", "first").groupBy("true_cluster", "cluster_id").count().toPandas()
+    assert cells["count"].sum() == len(kept) * MIXTURE["points_per_device"]
+    assert adjusted_rand_index(cells.true_cluster, cells.cluster_id, cells["count"]) >= 0.95
