@@ -40,3 +40,20 @@ def mixture_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("mixture")
     write_mixture(path, **MIXTURE)
     return str(path)
+
+
+@pytest.fixture()
+def config(tmp_path, mixture_path):
+    """A run config over the mixture: output under tmp_path/out, run id 'first', seed 11."""
+    path = tmp_path / "kfed.yaml"
+    path.write_text(
+        f"""
+input: {{path: "{mixture_path}", format: parquet, truth_col: true_cluster}}
+output: {{path: "{tmp_path / 'out'}"}}
+k: {MIXTURE['k']}
+k_per_device: {MIXTURE['k_per_device']}
+seed: 11
+run_id: first
+"""
+    )
+    return path

@@ -29,22 +29,6 @@ def run_cli(config: Path, *overrides: str) -> int:
     return main(args)
 
 
-@pytest.fixture()
-def config(tmp_path, mixture_path):
-    path = tmp_path / "kfed.yaml"
-    path.write_text(
-        f"""
-input: {{path: "{mixture_path}", format: parquet, truth_col: true_cluster}}
-output: {{path: "{tmp_path / 'out'}"}}
-k: {MIXTURE['k']}
-k_per_device: {MIXTURE['k_per_device']}
-seed: 11
-run_id: first
-"""
-    )
-    return path
-
-
 def labels_of(spark, out, run_id):
     return spark.read.format("delta").load(f"{out}/labels").filter(F.col("run_id") == run_id)
 

@@ -5,7 +5,6 @@ import subprocess
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
@@ -16,22 +15,6 @@ from conftest import MIXTURE
 from test_job import ROOT, labels_of, run_cli, write_empty_config
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
-
-
-@pytest.fixture()
-def config(tmp_path, mixture_path):
-    path = tmp_path / "kfed.yaml"
-    path.write_text(
-        f"""
-input: {{path: "{mixture_path}", truth_col: true_cluster}}
-output: {{path: "{tmp_path / 'out'}"}}
-k: {MIXTURE['k']}
-k_per_device: {MIXTURE['k_per_device']}
-seed: 11
-run_id: first
-"""
-    )
-    return path
 
 
 def sorted_labels(spark, out, run_id="first"):
