@@ -138,6 +138,12 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
 
 
 def validate(cfg: KFedConfig) -> None:
+    validate_algorithm(cfg)
+    validate_io(cfg)
+
+
+def validate_algorithm(cfg: KFedConfig) -> None:
+    """The settings of the clustering itself (what the estimator's params also set)."""
     _require_int("k", cfg.k, 1)
     _require_int("k_per_device", cfg.k_per_device, 1)
     if cfg.k_per_device > cfg.k:
@@ -162,6 +168,15 @@ def validate(cfg: KFedConfig) -> None:
             f"run_id {cfg.run_id!r} is not allowed: use 1-128 letters, digits, '_', '.', ':' or '-', "
             "starting with a letter or digit"
         )
+    columns = [cfg.input.device_col] + (
+        cfg.input.features_col if isinstance(cfg.input.features_col, list) else [cfg.input.features_col]
+    )
+    if not cfg.input.features_col or any(not isinstance(c, str) or not c for c in columns):
+        raise ConfigError("input.device_col and input.features_col must be column names (features: one or a list)")
+
+
+def validate_io(cfg: KFedConfig) -> None:
+    """Where the input comes from and where the tables go."""
     inp = cfg.input
     if (inp.path is None) == (inp.table is None):
         raise ConfigError("set exactly one of input.path and input.table")
@@ -169,9 +184,6 @@ def validate(cfg: KFedConfig) -> None:
         raise ConfigError(f"input.table {inp.table!r} is not a table name like db.table")
     if inp.format not in INPUT_FORMATS:
         raise ConfigError(f"input.format must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
-    columns = [inp.device_col] + (inp.features_col if isinstance(inp.features_col, list) else [inp.features_col])
-    if not inp.features_col or any(not isinstance(c, str) or not c for c in columns):
-        raise ConfigError("input.device_col and input.features_col must be column names (features: one or a list)")
     if cfg.output.path is None:
         raise ConfigError("output.path is required: the folder the Delta tables are written under")
     if "'" in str(cfg.output.path):

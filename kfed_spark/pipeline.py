@@ -120,19 +120,43 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
     started_at = datetime.now(timezone.utc)
     timer = StageTimer()
     tables = OutputTables(spark, cfg.output)
-    device_col = cfg.input.device_col
 
-    with timer.stage("validate"):
+    with timer.stage("read"):
         raw = read_input(spark, cfg.input)
-        checked, dim = validated(raw, cfg)
         tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
-    valid = checked.filter(F.col(REASON_COL).isNull())
+    clustering = fit(raw, cfg, timer)
+    labelled = label_rows(clustering.checked, clustering.model, raw.schema, cfg.input.device_col, clustering.dim)
+    if cfg.on_bad_rows == "fail":
+        refuse_bad_rows(labelled)
+    with tables.undo_on_failure(run_id):
+        return write_run(spark, cfg, run_id, started_at, timer, tables, raw, clustering, labelled)
 
+
+@dataclass(frozen=True)
+class Clustering:
+    """k-FED fitted to a DataFrame: what the CLI job writes out and what the estimator's model holds."""
+
+    checked: DataFrame  # the input with the features as array<double> and a reason column
+    dim: int
+    local: LocalCenters
+    server: ServerClustering
+    model: LabelModel
+
+    @property
+    def valid(self) -> DataFrame:
+        return self.checked.filter(F.col(REASON_COL).isNull())
+
+
+def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None) -> Clustering:
+    """Validate the input, run alg. 1 on every device in the executors and alg. 2 on the driver."""
+    timer = timer or StageTimer()
+    with timer.stage("validate"):
+        checked, dim = validated(raw, cfg)
+    valid = checked.filter(F.col(REASON_COL).isNull())
     with timer.stage("local_step"):
-        local = collect_local_centers(valid, cfg, dim, raw.schema[device_col].dataType)
+        local = collect_local_centers(valid, cfg, dim, raw.schema[cfg.input.device_col].dataType)
     if len(local.counts) == 0:
         raise InputError(f"no row of the input can be clustered (all {raw.count()} rows are bad; see quarantine)")
-
     with timer.stage("server_step"):
         try:
             server = server_step(
@@ -144,14 +168,9 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
             "server step: %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
             len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
         )
-
     model = LabelModel.build(local.devices, local.ids, local.centers, server.assignment, server.centers,
                              cfg.label_mode)
-    labelled = label_rows(checked, model, raw.schema, device_col, dim)
-    if cfg.on_bad_rows == "fail":
-        refuse_bad_rows(labelled)
-    with tables.undo_on_failure(run_id):
-        return write_run(spark, cfg, run_id, started_at, timer, tables, raw, valid, labelled, local, server, dim)
+    return Clustering(checked, dim, local, server, model)
 
 
 def write_run(
@@ -162,13 +181,11 @@ def write_run(
     timer: StageTimer,
     tables: OutputTables,
     raw: DataFrame,
-    valid: DataFrame,
+    clustering: Clustering,
     labelled: DataFrame,
-    local: LocalCenters,
-    server: ServerClustering,
-    dim: int,
 ) -> RunResult:
     """Write every table's slice of the run, the runs row last, and check that no row was lost."""
+    local, server, dim = clustering.local, clustering.server, clustering.dim
     with timer.stage("labels"):
         counted = Observation("kfed_rows")
         labels = (
@@ -219,7 +236,7 @@ def write_run(
     if cfg.input.truth_col:
         with timer.stage("evaluate"):
             ari = truth_ari(tables.read("labels").filter(F.col("run_id") == run_id), cfg.input.truth_col)
-            truth_cost = planted_cost(valid, cfg.input.truth_col, dim)
+            truth_cost = planted_cost(clustering.valid, cfg.input.truth_col, dim)
 
     result = RunResult(
         run_id=run_id,
@@ -253,14 +270,13 @@ def refuse_bad_rows(labelled: DataFrame) -> None:
         )
 
 
-def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
+def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[DataFrame, int]:
     """The input with a double-array features column, its dimension, and a reason column.
 
     The reason is set here when the device is null, the features are null or empty, or their
-    length differs from the table's dimension (the most common length among the first
-    DIMENSION_SAMPLE_ROWS rows). Null, NaN and infinite values are found by the Python
-    functions, where numpy checks them for free; a Spark SQL check per element costs a
-    lambda call per value.
+    length differs from the table's dimension (given, or found by table_dimension). Null, NaN
+    and infinite values are found by the Python functions, where numpy checks them for free;
+    a Spark SQL check per element costs a lambda call per value.
     """
     inp = cfg.input
     columns = set(raw.columns)
@@ -270,6 +286,20 @@ def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
     if clashes:
         raise InputError(f"input already has column(s) {', '.join(clashes)}, which the output adds; rename them")
     prepared = raw.withColumn(FEATURES_COL, features_column(raw, inp.features_col))
+    if dim is None:
+        dim = table_dimension(raw, prepared)
+    feature = F.col(FEATURES_COL)
+    reason = (
+        F.when(F.col(inp.device_col).isNull(), "null_device")
+        .when(feature.isNull(), "null_features")
+        .when(F.size(feature) == 0, "empty_features")
+        .when(F.size(feature) != dim, F.lit(f"wrong_dimension (expected {dim})"))
+    )
+    return prepared.withColumn(REASON_COL, reason), dim
+
+
+def table_dimension(raw: DataFrame, prepared: DataFrame) -> int:
+    """The most common feature length among the first DIMENSION_SAMPLE_ROWS rows with features."""
     sizes = (
         prepared.select(F.size(FEATURES_COL).alias("dim"))
         .filter("dim > 0")
@@ -283,15 +313,7 @@ def validated(raw: DataFrame, cfg: KFedConfig) -> tuple[DataFrame, int]:
         if raw.isEmpty():
             raise InputError("the input has no rows")
         raise InputError("no row of the input has any feature values")
-    dim = int(sizes["dim"])
-    feature = F.col(FEATURES_COL)
-    reason = (
-        F.when(F.col(inp.device_col).isNull(), "null_device")
-        .when(feature.isNull(), "null_features")
-        .when(F.size(feature) == 0, "empty_features")
-        .when(F.size(feature) != dim, F.lit(f"wrong_dimension (expected {dim})"))
-    )
-    return prepared.withColumn(REASON_COL, reason), dim
+    return int(sizes["dim"])
 
 
 def features_column(df: DataFrame, features: str | list[str]) -> Column:

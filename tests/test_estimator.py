@@ -1,0 +1,95 @@
+"""KFed / KFedModel: the pyspark.ml face of the same implementation the CLI runs."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.clustering import KMeans
+
+from kfed_spark.estimator import KFed, KFedModel
+from kfed_spark.metrics import adjusted_rand_index
+
+from conftest import MIXTURE
+from test_job import labels_of, run_cli
+
+N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
+
+
+def estimator():
+    return KFed(k=MIXTURE["k"], kPerDevice=MIXTURE["k_per_device"], seed=11)
+
+
+def by_row(df, *columns):
+    return df.select("row_id", *columns).orderBy("row_id").toPandas().set_index("row_id")
+
+
+def test_shares_param_names_and_defaults_style_with_mllib_kmeans(spark):
+    mine, theirs = KFed(), KMeans()
+    for name in ("k", "featuresCol", "predictionCol", "maxIter", "tol", "seed"):
+        assert mine.hasParam(name) and theirs.hasParam(name), name
+    assert (mine.getFeaturesCol(), mine.getPredictionCol()) == (theirs.getFeaturesCol(), theirs.getPredictionCol())
+    assert KFed(k=5).setKPerDevice(3).getKPerDevice() == 3
+    assert KFed().getSeed() == KFed().getSeed()  # not the per-process hash MLlib uses
+
+
+def test_fit_transform_equals_the_cli_run(spark, config, tmp_path, mixture_path):
+    assert run_cli(config) == 0
+    rows = spark.read.parquet(mixture_path)
+    model = estimator().fit(rows)
+    got = by_row(model.transform(rows), "prediction", "local_prediction")
+    expected = by_row(labels_of(spark, tmp_path / "out", "first"), "cluster_id", "local_cluster_id")
+    np.testing.assert_array_equal(got.prediction.to_numpy(), expected.cluster_id.to_numpy())
+    np.testing.assert_array_equal(got.local_prediction.to_numpy(), expected.local_cluster_id.to_numpy())
+
+    centers = spark.read.format("delta").load(str(tmp_path / "out" / "centers")).orderBy("cluster_id").toPandas()
+    np.testing.assert_allclose(np.stack(model.clusterCenters()), np.stack(centers.center.to_numpy()))
+    run = spark.read.format("delta").load(str(tmp_path / "out" / "runs")).first()
+    assert model.summary.trainingCost == pytest.approx(run.cost, rel=1e-9)
+    assert sum(model.summary.clusterSizes) == N_ROWS and model.summary.numDevices == MIXTURE["devices"]
+    assert model.localCenters.count() == run.n_local_centers
+
+
+def test_new_devices_are_clustered_locally_without_refitting(spark, mixture_path, tmp_path):
+    table = pq.read_table(mixture_path)
+    seen = pa.compute.less(table.column("device_id"), 45)
+    pq.write_table(table.filter(seen), tmp_path / "seen.parquet")
+    train = spark.read.parquet(str(tmp_path / "seen.parquet"))
+    everyone = spark.read.parquet(mixture_path)
+    model = estimator().fit(train)
+
+    labelled = by_row(model.transform(everyone), "device_id", "true_cluster", "prediction")
+    on_train = by_row(model.transform(train), "prediction")
+    known = labelled[labelled.device_id < 45]
+    np.testing.assert_array_equal(known.prediction.to_numpy(), on_train.prediction.to_numpy())
+    fresh = labelled[labelled.device_id >= 45]
+    assert len(fresh) == 15 * MIXTURE["points_per_device"] and fresh.prediction.notna().all()
+    assert adjusted_rand_index(fresh.true_cluster, fresh.prediction) >= 0.95
+    np.testing.assert_array_equal(np.stack(model.clusterCenters()), np.stack(estimator().fit(train).clusterCenters()))
+
+
+def test_save_load_and_pipeline_round_trip(spark, mixture_path, tmp_path):
+    rows = spark.read.parquet(mixture_path)
+    model = estimator().fit(rows)
+    model.write().overwrite().save(str(tmp_path / "model"))
+    loaded = KFedModel.load(str(tmp_path / "model"))
+    np.testing.assert_array_equal(np.stack(loaded.clusterCenters()), np.stack(model.clusterCenters()))
+    assert (loaded.getK(), loaded.getKPerDevice(), loaded.uid) == (model.getK(), model.getKPerDevice(), model.uid)
+    assert by_row(loaded.transform(rows), "prediction").equals(by_row(model.transform(rows), "prediction"))
+
+    fitted = Pipeline(stages=[estimator()]).fit(rows)
+    fitted.write().overwrite().save(str(tmp_path / "pipeline"))
+    again = PipelineModel.load(str(tmp_path / "pipeline"))
+    assert by_row(again.transform(rows), "prediction").equals(by_row(fitted.transform(rows), "prediction"))
+    estimator().write().overwrite().save(str(tmp_path / "estimator"))
+    assert KFed.load(str(tmp_path / "estimator")).getK() == MIXTURE["k"]
+
+
+def test_bad_rows_get_no_prediction_and_are_not_dropped(spark):
+    rows = spark.createDataFrame(
+        [(1, "a", [0.0]), (2, "a", [10.0]), (3, "b", [0.2]), (4, "b", [9.8]), (5, "b", [float("nan")])],
+        "row_id long, device_id string, features array<double>",
+    )
+    out = by_row(KFed(k=2, kPerDevice=2).fit(rows).transform(rows), "prediction")
+    assert len(out) == 5 and out.prediction.isna().tolist() == [False, False, False, False, True]
+    assert out.prediction[1] == out.prediction[3] != out.prediction[2]
