@@ -65,6 +65,8 @@ class KFedConfig:
 
 
 SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig}
+MAPPING_KEYS = ("spark.conf", "input.options")
+"""Config keys whose values are free-form mappings with dotted keys of their own."""
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> KFedConfig:
@@ -91,7 +93,12 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set takes KEY=VALUE, got {item!r}")
-    *parents, leaf = key.strip().split(".")
+    key = key.strip()
+    mapping = next((m for m in MAPPING_KEYS if key.startswith(m + ".")), None)
+    if mapping:  # spark.conf.spark.driver.memory: the key inside the mapping keeps its dots
+        *parents, leaf = mapping.split(".") + [key[len(mapping) + 1 :]]
+    else:
+        *parents, leaf = key.split(".")
     node = raw
     for part in parents:
         node = node.setdefault(part, {})

@@ -29,7 +29,7 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     if spark_cfg.master:
         builder = builder.master(spark_cfg.master)
     for key, value in {**DELTA_SQL_CONF, **spark_cfg.conf}.items():
-        builder = builder.config(key, str(value))
+        builder = builder.config(key, str(value).lower() if isinstance(value, bool) else str(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
     if local_jars:
         builder = builder.config("spark.jars", local_jars)

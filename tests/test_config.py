@@ -18,6 +18,12 @@ def test_defaults_and_dotted_overrides(tmp_path):
     assert (cfg.server_refine, cfg.label_mode) == ("lloyd", "induced")
 
 
+def test_overrides_inside_free_form_mappings_keep_their_dots():
+    cfg = load_config(None, BASE + ["spark.conf.spark.driver.memory=2g", "input.options.header=false"])
+    assert cfg.spark.conf == {"spark.driver.memory": "2g"}
+    assert cfg.input.options == {"header": False}
+
+
 def test_features_can_be_a_list_of_columns():
     cfg = load_config(None, BASE + ["input.features_col=[x1, x2, x3]"])
     assert cfg.input.features_col == ["x1", "x2", "x3"]
