@@ -13,6 +13,13 @@ from kfed_spark.errors import KFedError
 log = logging.getLogger("kfed_spark")
 
 DEMO_FOLDER = "kfed-demo"
+QUIET_LOCAL_SPARK = {
+    "spark.sql.shuffle.partitions": "4",
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.ui.enabled": "false",
+    "spark.log.level": "WARN",
+}
+"""Settings of the embedded local Spark that the demo and `sql --output` start."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a dotted config key, e.g. --set input.path=/data/x --set k=64 (repeatable)",
     )
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config and the input's schema, print the plan, write nothing",
+    )
     run.set_defaults(handler=command_run)
+
+    sql = commands.add_parser(
+        "sql", help="run a Spark SQL query against the tables of an output location and print the result"
+    )
+    sql.add_argument("query", help="the query; the tables are views named labels, centers, local_centers, "
+                     "quarantine, runs, and latest_labels (the newest successful run)")
+    sql.add_argument("--config", help="YAML config whose output.path and spark settings to use")
+    sql.add_argument("--output", help="the output location (overrides output.path of --config)")
+    sql.add_argument("--limit", type=int, default=100, help="rows to print at most (default 100)")
+    sql.set_defaults(handler=command_sql)
 
     generate = commands.add_parser("generate", help="write a heterogeneous Gaussian mixture as Parquet")
     generate.add_argument("--out", required=True, help="output folder for the Parquet file")
@@ -138,6 +160,12 @@ def command_bench(args: argparse.Namespace) -> int:
 
 def command_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from kfed_spark.pipeline import plan
+        from kfed_spark.session import build_session
+
+        print(plan(build_session(cfg.spark), cfg))
+        return 0
     result = execute(cfg)
     print(
         f"run {result.run_id}: {result.n_labelled} rows labelled, {result.n_quarantined} quarantined, "
@@ -156,6 +184,26 @@ def execute(cfg: KFedConfig):
 
     spark = build_session(cfg.spark)
     return run(spark, cfg)
+
+
+def command_sql(args: argparse.Namespace) -> int:
+    from kfed_spark.config import OutputConfig, SparkConfig
+    from kfed_spark.io import OutputTables
+    from kfed_spark.session import build_session
+
+    if args.config:
+        cfg = load_config(args.config, [f"output.path={args.output}"] if args.output else [])
+        output, spark_cfg = cfg.output, cfg.spark
+    elif args.output:
+        output, spark_cfg = OutputConfig(path=args.output), SparkConfig(master="local[2]", conf=QUIET_LOCAL_SPARK)
+    else:
+        raise KFedError("give --output PATH or --config FILE to say which tables to query")
+    spark = build_session(spark_cfg)
+    if not OutputTables(spark, output).register_views():
+        raise KFedError(f"no kfed-spark tables under {output.path}")
+    result = spark.sql(args.query).limit(args.limit).toPandas()
+    print(result.to_string(index=False))
+    return 0
 
 
 def command_generate(args: argparse.Namespace) -> int:
@@ -195,12 +243,7 @@ def command_demo(args: argparse.Namespace) -> int:
             "spark": {
                 "master": "local[2]",
                 "app_name": "kfed-spark-demo",
-                "conf": {
-                    "spark.sql.shuffle.partitions": "4",
-                    "spark.databricks.delta.snapshotPartitions": "2",
-                    "spark.ui.enabled": "false",
-                    "spark.log.level": "WARN",
-                },
+                "conf": QUIET_LOCAL_SPARK,
             },
         }
     )

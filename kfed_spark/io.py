@@ -22,6 +22,11 @@ log = logging.getLogger("kfed_spark")
 
 TABLES = ("labels", "centers", "local_centers", "quarantine", "runs")
 CSV_DEFAULTS = {"header": "true", "inferSchema": "true"}
+LATEST_LABELS = (
+    "SELECT * FROM {labels} WHERE run_id = "
+    "(SELECT run_id FROM {runs} WHERE status = 'succeeded' ORDER BY finished_at DESC LIMIT 1)"
+)
+"""The labels of the newest successful run."""
 
 
 def read_input(spark: SparkSession, inp: InputConfig) -> DataFrame:
@@ -147,7 +152,7 @@ class OutputTables:
                 future.result()
 
     def register(self) -> None:
-        """Name the tables in the catalog as <database>.<table>, for SQL users."""
+        """Name the tables in the catalog as <database>.<table>, plus the view <database>.latest_labels."""
         if not self.database:
             return
         self.spark.sql(f"CREATE DATABASE IF NOT EXISTS {self.database}")
@@ -156,3 +161,19 @@ class OutputTables:
                 self.spark.sql(
                     f"CREATE TABLE IF NOT EXISTS {self.database}.{name} USING DELTA LOCATION '{self.path(name)}'"
                 )
+        self.spark.sql(
+            f"CREATE OR REPLACE VIEW {self.database}.latest_labels AS "
+            + LATEST_LABELS.format(labels=f"{self.database}.labels", runs=f"{self.database}.runs")
+        )
+
+    def register_views(self) -> list[str]:
+        """Temporary views named after the tables of this location, plus latest_labels; returns their names."""
+        names = [name for name in TABLES if self.exists(name)]
+        for name in names:
+            self.read(name).createOrReplaceTempView(name)
+        if {"labels", "runs"} <= set(names):
+            self.spark.sql(
+                "CREATE OR REPLACE TEMPORARY VIEW latest_labels AS " + LATEST_LABELS.format(labels="labels", runs="runs")
+            )
+            names.append("latest_labels")
+        return names

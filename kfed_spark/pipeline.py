@@ -44,7 +44,7 @@ from kfed_spark.batches import (
 )
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import InputError, KFedError
-from kfed_spark.io import OutputTables, read_input
+from kfed_spark.io import TABLES, OutputTables, read_input
 from kfed_spark.kernels import ServerClustering, server_step
 from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 
@@ -256,6 +256,31 @@ def write_run(
     tables.register()
     log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, n_labelled, n_quarantined, cost)
     return result
+
+
+def plan(spark: SparkSession, cfg: KFedConfig) -> str:
+    """What `run` would do, checked against the input's schema and the output tables; writes nothing."""
+    raw = read_input(spark, cfg.input)
+    tables = OutputTables(spark, cfg.output)
+    tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
+    _, dim = validated(raw, cfg)
+    features = cfg.input.features_col
+    existing = [name for name in TABLES if tables.exists(name)]
+    return "\n".join(
+        [
+            f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
+            f"  columns: {', '.join(f'{f.name} {f.dataType.simpleString()}' for f in raw.schema.fields)}",
+            f"  device column: {cfg.input.device_col}; features: {features} (dimension {dim})",
+            f"k-FED: k = {cfg.k}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
+            f"server_refine = {cfg.server_refine}, label_mode = {cfg.label_mode}, "
+            f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
+            f"run id: {cfg.run_id or '(from the start time)'}",
+            f"output: {tables.root}/{{{','.join(TABLES)}}}"
+            + (f" (existing: {', '.join(existing)})" if existing else " (new)")
+            + (f"; registered as {cfg.output.database}.*" if cfg.output.database else ""),
+            "dry run: nothing was written",
+        ]
+    )
 
 
 def refuse_bad_rows(labelled: DataFrame) -> None:

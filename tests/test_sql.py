@@ -1,0 +1,54 @@
+"""Querying the outputs: Spark SQL through the CLI and the catalog, DuckDB without Spark, and dry runs."""
+
+import duckdb
+from deltalake import DeltaTable
+
+from kfed_spark.cli import main
+
+from conftest import MIXTURE
+from test_job import run_cli
+
+N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
+
+
+def test_sql_command_queries_the_tables_and_the_latest_run(spark, config, tmp_path, capsys):
+    assert run_cli(config) == 0
+    assert run_cli(config, "run_id=second", "k=6") == 0
+    capsys.readouterr()
+    query = "SELECT run_id, count(DISTINCT cluster_id) AS clusters, count(*) AS n FROM latest_labels GROUP BY run_id"
+    assert main(["sql", query, "--output", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed == ["run_id", "clusters", "n", "second", "6", str(N_ROWS)]
+    assert main(["sql", "SELECT count(*) AS runs FROM runs", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.split() == ["runs", "2"]
+
+
+def test_sql_without_tables_is_a_clear_error(spark, tmp_path, capsys):
+    assert main(["sql", "SELECT 1", "--output", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.strip() == f"kfed-spark: error: no kfed-spark tables under {tmp_path / 'nothing'}"
+
+
+def test_catalog_gets_a_latest_labels_view(spark, config, tmp_path):
+    assert run_cli(config, "output.database=kfed_views") == 0
+    assert run_cli(config, "output.database=kfed_views", "run_id=later", "k=6") == 0
+    rows = spark.sql("SELECT DISTINCT run_id FROM kfed_views.latest_labels").collect()
+    assert [r.run_id for r in rows] == ["later"]
+
+
+def test_duckdb_reads_the_labels_through_delta_rs(spark, config, tmp_path):
+    """Without Spark: delta-rs opens the table, DuckDB queries it through Arrow."""
+    assert run_cli(config) == 0
+    labels = DeltaTable(str(tmp_path / "out" / "labels")).to_pyarrow_dataset()
+    counts = duckdb.connect().sql(
+        "SELECT cluster_id, count(*) AS n FROM labels WHERE run_id = 'first' GROUP BY ALL ORDER BY cluster_id"
+    ).fetchall()
+    assert [c for c, _ in counts] == list(range(MIXTURE["k"])) and sum(n for _, n in counts) == N_ROWS
+    assert labels.count_rows() == N_ROWS
+
+
+def test_dry_run_checks_and_prints_the_plan_without_writing(spark, config, tmp_path, capsys):
+    assert main(["run", "--config", str(config), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "features: features (dimension 8)" in out and "dry run: nothing was written" in out
+    assert not (tmp_path / "out").exists()
+    assert main(["run", "--config", str(config), "--dry-run", "--set", "input.device_col=nope"]) == 2
