@@ -83,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=command_run)
 
+    assign = commands.add_parser(
+        "assign",
+        help="label a new input with a finished run's model and write it as a new run of the same tables",
+    )
+    assign.add_argument("--model-run", required=True, metavar="RUN_ID", help="the finished run whose model to apply")
+    assign.add_argument("--config", required=True, help="YAML config: the new input, the same output.path")
+    assign.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a dotted config key (repeatable)")
+    assign.set_defaults(handler=command_assign)
+
     sql = commands.add_parser(
         "sql", help="run a Spark SQL query against the tables of an output location and print the result"
     )
@@ -177,13 +187,23 @@ def command_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def execute(cfg: KFedConfig):
+def execute(cfg: KFedConfig, parent_run_id: str | None = None):
     """Start (or join) the SparkSession the config describes and run the job in it."""
     from kfed_spark.pipeline import run
     from kfed_spark.session import build_session
 
     spark = build_session(cfg.spark)
-    return run(spark, cfg)
+    return run(spark, cfg, parent_run_id)
+
+
+def command_assign(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    result = execute(cfg, parent_run_id=args.model_run)
+    print(
+        f"run {result.run_id} (model of run {args.model_run}): {result.n_labelled} rows labelled, "
+        f"{result.n_quarantined} quarantined, {result.n_devices} devices in the model; tables under {result.output_path}"
+    )
+    return 0
 
 
 def command_sql(args: argparse.Namespace) -> int:

@@ -25,8 +25,15 @@ from pyspark.sql import functions as F
 from kfed_spark.batches import SQ_DIST_COL, LabelModel
 from kfed_spark.config import InputConfig, KFedConfig, validate_algorithm
 from kfed_spark.errors import ConfigError
-from kfed_spark.kernels import nearest_center
-from kfed_spark.pipeline import REASON_COL, LocalCenters, collect_local_centers, fit, label_rows, validated
+from kfed_spark.pipeline import (
+    LOCAL_CENTER_COLUMNS,
+    REASON_COL,
+    LocalCenters,
+    extend_with_new_devices,
+    fit,
+    label_rows,
+    validated,
+)
 
 LOCAL_CENTERS_DATA = "data/local_centers"
 
@@ -224,7 +231,7 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         return KFedSummary(cost, sizes.tolist(), len(np.unique(local.devices)), len(local.counts))
 
     def _local_centers(self) -> LocalCenters:
-        return LocalCenters.from_arrow(self._local, self._centers.shape[1])
+        return LocalCenters.from_arrow(self._local.select(LOCAL_CENTER_COLUMNS), self._centers.shape[1])
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         """Label rows; devices the model has not seen are clustered locally and their centers joined to
@@ -232,18 +239,10 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         cfg = self._config()
         dim = self._centers.shape[1]
         checked, _ = validated(dataset, cfg, dim)
-        local = self._local_centers()
-        clusters = self._local.column("cluster_id").to_numpy()
-        new = self._cluster_new_devices(checked.filter(F.col(REASON_COL).isNull()), cfg, dim, local)
-        if new is not None:
-            clusters = np.concatenate([clusters, nearest_center(new.centers, self._centers)[0]])
-            local = LocalCenters(
-                table=local.table,
-                devices=np.concatenate([local.devices, new.devices]),
-                ids=np.concatenate([local.ids, new.ids]),
-                centers=np.concatenate([local.centers, new.centers]),
-                counts=np.concatenate([local.counts, new.counts]),
-            )
+        local, clusters = extend_with_new_devices(
+            checked.filter(F.col(REASON_COL).isNull()), cfg, dim, self._local_centers(),
+            self._local.column("cluster_id").to_numpy(), self._centers,
+        )
         model = LabelModel.build(local.devices, local.ids, local.centers, clusters, self._centers, cfg.label_mode)
         return (
             label_rows(checked, model, dataset.schema, cfg.input.device_col, dim)
@@ -251,17 +250,6 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
             .withColumnRenamed("local_cluster_id", self.getLocalPredictionCol())
             .withColumnRenamed("cluster_id", self.getPredictionCol())
         )
-
-    def _cluster_new_devices(self, valid: DataFrame, cfg: KFedConfig, dim: int, local: LocalCenters):
-        device_col = cfg.input.device_col
-        device_type = valid.schema[device_col].dataType
-        known = valid.sparkSession.createDataFrame(
-            pa.table({"known_device": pa.array(np.unique(local.devices).tolist())})
-        ).select(F.col("known_device").cast(device_type))
-        new_rows = valid.join(F.broadcast(known), valid[device_col] == known["known_device"], "left_anti")
-        if new_rows.isEmpty():
-            return None
-        return collect_local_centers(new_rows, cfg, dim, device_type)
 
     def write(self) -> MLWriter:
         return _KFedModelWriter(self)

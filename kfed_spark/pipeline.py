@@ -45,7 +45,7 @@ from kfed_spark.batches import (
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import InputError, KFedError
 from kfed_spark.io import TABLES, OutputTables, read_input
-from kfed_spark.kernels import ServerClustering, server_step
+from kfed_spark.kernels import ServerClustering, nearest_center, server_step
 from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 
 log = logging.getLogger("kfed_spark")
@@ -54,11 +54,13 @@ FEATURES_COL = "__kfed_features"
 REASON_COL = "__kfed_reason"
 ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id")
 RUN_ID_FIELD = StructField("run_id", StringType(), False)
+LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
 DIMENSION_SAMPLE_ROWS = 10_000
 
 RUNS_SCHEMA = StructType(
     [
         StructField("run_id", StringType(), False),
+        StructField("parent_run_id", StringType(), True),
         StructField("status", StringType(), False),
         StructField("started_at", TimestampType(), False),
         StructField("finished_at", TimestampType(), False),
@@ -89,6 +91,7 @@ class RunResult:
     """What a finished run reports; the same figures are in its row of the runs table."""
 
     run_id: str
+    parent_run_id: str | None
     n_input: int
     n_labelled: int
     n_quarantined: int
@@ -114,8 +117,13 @@ class StageTimer:
         log.info("stage %s took %.2f s", name, self.seconds[name])
 
 
-def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
-    """Cluster the configured input with k-FED and write this run's slice of every output table."""
+def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) -> RunResult:
+    """Cluster the configured input with k-FED and write this run's slice of every output table.
+
+    With parent_run_id, nothing is fitted: the input is labelled with that finished run's model
+    (its local and global centers), devices it has not seen are clustered locally and joined to
+    the nearest global centers, and the new run records its parent.
+    """
     run_id = resolve_run_id(cfg)
     started_at = datetime.now(timezone.utc)
     timer = StageTimer()
@@ -124,12 +132,15 @@ def run(spark: SparkSession, cfg: KFedConfig) -> RunResult:
     with timer.stage("read"):
         raw = read_input(spark, cfg.input)
         tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
-    clustering = fit(raw, cfg, timer)
+    if parent_run_id is None:
+        clustering = fit(raw, cfg, timer)
+    else:
+        clustering = apply_run(raw, cfg, tables, parent_run_id, timer)
     labelled = label_rows(clustering.checked, clustering.model, raw.schema, cfg.input.device_col, clustering.dim)
     if cfg.on_bad_rows == "fail":
         refuse_bad_rows(labelled)
     with tables.undo_on_failure(run_id):
-        return write_run(spark, cfg, run_id, started_at, timer, tables, raw, clustering, labelled)
+        return write_run(spark, cfg, run_id, started_at, timer, tables, raw, clustering, labelled, parent_run_id)
 
 
 @dataclass(frozen=True)
@@ -173,6 +184,49 @@ def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None) -> Clu
     return Clustering(checked, dim, local, server, model)
 
 
+def apply_run(raw: DataFrame, cfg: KFedConfig, tables: OutputTables, parent_run_id: str,
+              timer: StageTimer) -> Clustering:
+    """The model of a finished run, extended by the input's devices that it has not seen."""
+    with timer.stage("validate"):
+        centers_rows = tables.read("centers").filter(F.col("run_id") == parent_run_id).orderBy("cluster_id").toArrow()
+        if centers_rows.num_rows == 0:
+            raise KFedError(f"no finished run {parent_run_id!r} under {tables.root}")
+        centers = np.array(centers_rows.column("center").to_pylist(), dtype=np.float64)
+        stored = (
+            tables.read("local_centers").filter(F.col("run_id") == parent_run_id)
+            .select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
+        )
+        checked, dim = validated(raw, cfg, centers.shape[1])
+    valid = checked.filter(F.col(REASON_COL).isNull())
+    with timer.stage("local_step"):
+        local, assignment = extend_with_new_devices(
+            valid, cfg, dim, LocalCenters.from_arrow(stored.select(LOCAL_CENTER_COLUMNS), dim),
+            stored.column("cluster_id").to_numpy(), centers,
+        )
+    server = ServerClustering(centers, assignment, seed_device=None, refine_iterations=0)
+    model = LabelModel.build(local.devices, local.ids, local.centers, assignment, centers, cfg.label_mode)
+    return Clustering(checked, dim, local, server, model)
+
+
+def extend_with_new_devices(
+    valid: DataFrame, cfg: KFedConfig, dim: int, local: LocalCenters, assignment: np.ndarray, centers: np.ndarray
+) -> tuple[LocalCenters, np.ndarray]:
+    """Run alg. 1 on the devices of `valid` that `local` does not hold, and give each of their local
+    centers the nearest global center: O(k_z k) distance work per new device, no other device touched."""
+    device_col = cfg.input.device_col
+    device_type = valid.schema[device_col].dataType
+    known = valid.sparkSession.createDataFrame(
+        pa.table({"known_device": pa.array(np.unique(local.devices).tolist())})
+    ).select(F.col("known_device").cast(device_type))
+    new_rows = valid.join(F.broadcast(known), valid[device_col] == known["known_device"], "left_anti")
+    if new_rows.isEmpty():
+        return local, assignment
+    new = collect_local_centers(new_rows, cfg, dim, device_type)
+    log.info("%d devices the model had not seen: %d local centers", len(np.unique(new.devices)), len(new.counts))
+    table = pa.concat_tables([local.table, new.table.cast(local.table.schema)])
+    return LocalCenters.from_arrow(table, dim), np.concatenate([assignment, nearest_center(new.centers, centers)[0]])
+
+
 def write_run(
     spark: SparkSession,
     cfg: KFedConfig,
@@ -183,6 +237,7 @@ def write_run(
     raw: DataFrame,
     clustering: Clustering,
     labelled: DataFrame,
+    parent_run_id: str | None,
 ) -> RunResult:
     """Write every table's slice of the run, the runs row last, and check that no row was lost."""
     local, server, dim = clustering.local, clustering.server, clustering.dim
@@ -240,6 +295,7 @@ def write_run(
 
     result = RunResult(
         run_id=run_id,
+        parent_run_id=parent_run_id,
         n_input=n_input,
         n_labelled=n_labelled,
         n_quarantined=n_quarantined,
@@ -483,6 +539,7 @@ def runs_frame(spark, cfg: KFedConfig, result: RunResult, started_at: datetime) 
     inp = cfg.input
     row = {
         "run_id": result.run_id,
+        "parent_run_id": result.parent_run_id,
         "status": "succeeded",
         "started_at": started_at,
         "finished_at": datetime.now(timezone.utc),

@@ -7,6 +7,7 @@ import pytest
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.clustering import KMeans
 
+from kfed_spark.cli import main
 from kfed_spark.estimator import KFed, KFedModel
 from kfed_spark.metrics import adjusted_rand_index
 
@@ -93,3 +94,31 @@ def test_bad_rows_get_no_prediction_and_are_not_dropped(spark):
     out = by_row(KFed(k=2, kPerDevice=2).fit(rows).transform(rows), "prediction")
     assert len(out) == 5 and out.prediction.isna().tolist() == [False, False, False, False, True]
     assert out.prediction[1] == out.prediction[3] != out.prediction[2]
+
+
+def test_assign_labels_new_input_with_a_finished_runs_model(spark, config, tmp_path, mixture_path):
+    table = pq.read_table(mixture_path)
+    pq.write_table(table.filter(pa.compute.less(table.column("device_id"), 45)), tmp_path / "seen.parquet")
+    assert run_cli(config, f"input.path={tmp_path / 'seen.parquet'}") == 0
+    args = ["assign", "--model-run", "first", "--config", str(config), "--set", "run_id=assigned"]
+    assert main(args) == 0
+
+    out = tmp_path / "out"
+    runs = spark.read.format("delta").load(str(out / "runs")).orderBy("run_id").collect()
+    assert [(r.run_id, r.parent_run_id) for r in runs] == [("assigned", "first"), ("first", None)]
+    assert runs[0].n_labelled == N_ROWS and runs[0].n_devices == MIXTURE["devices"]
+    assigned = by_row(labels_of(spark, out, "assigned"), "device_id", "true_cluster", "cluster_id")
+    first = by_row(labels_of(spark, out, "first"), "cluster_id")
+    known = assigned[assigned.device_id < 45]
+    np.testing.assert_array_equal(known.cluster_id.to_numpy(), first.cluster_id.to_numpy())
+    fresh = assigned[assigned.device_id >= 45]
+    assert adjusted_rand_index(fresh.true_cluster, fresh.cluster_id) >= 0.95
+    centers = spark.read.format("delta").load(str(out / "centers"))
+    same = centers.filter("run_id = 'assigned'").orderBy("cluster_id").select("center").collect()
+    assert same == centers.filter("run_id = 'first'").orderBy("cluster_id").select("center").collect()
+
+
+def test_assign_from_a_missing_run_is_a_clear_error(spark, config, tmp_path, capsys):
+    assert run_cli(config) == 0
+    assert main(["assign", "--model-run", "nope", "--config", str(config), "--set", "run_id=x"]) == 2
+    assert capsys.readouterr().err.strip() == f"kfed-spark: error: no finished run 'nope' under {tmp_path / 'out'}"
