@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kfed_spark.config import build_config
-from kfed_spark.kernels import federated_kmeans
+from kfed_spark.kernels import federated_kmeans, server_step
 from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 
 log = logging.getLogger("kfed_spark")
@@ -244,3 +244,19 @@ def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
 def write_report(report: Report, out: Path) -> None:
     (out / "benchmark.json").write_text(json.dumps(asdict(report), indent=2))
     (out / "benchmark.md").write_text(report.markdown())
+
+
+def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int) -> dict[str, float]:
+    """Time alg. 2 alone on devices x per_device local centers drawn around k means (no Spark)."""
+    rng = np.random.default_rng(seed)
+    means = rng.normal(0.0, 4.0, size=(k, dim))
+    centers = means[rng.integers(0, k, size=devices * per_device)] + 0.1 * rng.standard_normal((devices * per_device, dim))
+    counts = rng.integers(50, 150, size=devices * per_device)
+    device_ids = np.repeat(np.arange(devices), per_device)
+    local_ids = np.tile(np.arange(per_device), devices)
+    timings = {"local_centers": float(devices * per_device), "k": float(k)}
+    for refine in ("none", "lloyd"):
+        result, seconds = _timed(lambda: server_step(centers, counts, device_ids, local_ids, k, refine))
+        timings[f"seconds, server_refine={refine}"] = round(seconds, 3)
+        timings[f"refine rounds, server_refine={refine}"] = float(result.refine_iterations)
+    return timings

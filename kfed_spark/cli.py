@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--driver-memory", default="2g", help="Spark driver memory (default 2g)")
     bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
     bench.set_defaults(handler=command_bench)
+
+    server = commands.add_parser("bench-server", help="time the server step (alg. 2) alone on many local centers")
+    server.add_argument("--devices", type=int, default=200_000, help="devices (default 200000)")
+    server.add_argument("--per-device", type=int, default=5, help="local centers per device (default 5)")
+    server.add_argument("--k", type=int, default=1000, help="global clusters (default 1000)")
+    server.add_argument("--dim", type=int, default=32, help="dimension (default 32)")
+    server.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    server.set_defaults(handler=command_bench_server)
     return parser
 
 
@@ -165,6 +173,14 @@ def command_bench(args: argparse.Namespace) -> int:
     write_report(report, out)
     print(report.markdown())
     print(f"report: {out / 'benchmark.md'} and {out / 'benchmark.json'}")
+    return 0
+
+
+def command_bench_server(args: argparse.Namespace) -> int:
+    from kfed_spark.benchmark import benchmark_server
+
+    for name, value in benchmark_server(args.devices, args.per_device, args.k, args.dim, args.seed).items():
+        print(f"{name}: {value:g}")
     return 0
 
 

@@ -31,3 +31,14 @@ def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     assert saved["rows"] == 1200 and len(saved["entries"]) == 5
     markdown = (tmp_path / "bench" / "benchmark.md").read_text()
     assert "| k-FED on Spark, end to end |" in markdown and "MLlib fit time / k-FED end-to-end time" in markdown
+
+
+def test_server_benchmark_times_both_refinements(capsys):
+    from kfed_spark.cli import main
+
+    assert main(["bench-server", "--devices", "200", "--per-device", "3", "--k", "10", "--dim", "4"]) == 0
+    lines = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
+    assert float(lines["local_centers"]) == 600 and float(lines["k"]) == 10
+    assert {"seconds, server_refine=none", "seconds, server_refine=lloyd"} <= set(lines)
+    assert float(lines["refine rounds, server_refine=none"]) == 0
+    assert float(lines["refine rounds, server_refine=lloyd"]) >= 1
