@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {part!r} is not a section")
-    node[leaf] = yaml.safe_load(value) if value.strip() else None
+    parsed = yaml.safe_load(value) if value.strip() else None
+    node[leaf] = value.strip() if isinstance(parsed, (date, datetime)) else parsed  # run_id=2026-11-29 is text
 
 
 def build_config(raw: dict[str, Any]) -> KFedConfig:
@@ -118,6 +119,8 @@ def build_config(raw: dict[str, Any]) -> KFedConfig:
             values[key] = value
         else:
             raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(_field_names(KFedConfig)))}")
+    if isinstance(values.get("run_id"), (date, datetime)):  # YAML reads `run_id: 2026-11-29` as a date
+        values["run_id"] = values["run_id"].isoformat()
     cfg = KFedConfig(**values)
     validate(cfg)
     return cfg

@@ -6,6 +6,8 @@ from kfed_spark.config import SparkConfig
 from kfed_spark.session import build_session
 from kfed_spark.synthetic import write_mixture
 
+collect_ignore = ["airflow"]  # run inside the Airflow environment by test_airflow.py
+
 TEST_SPARK_CONF = {
     "spark.sql.shuffle.partitions": "2",
     "spark.default.parallelism": "2",

@@ -24,6 +24,13 @@ def test_overrides_inside_free_form_mappings_keep_their_dots():
     assert cfg.input.options == {"header": False}
 
 
+def test_a_date_as_run_id_stays_the_text_given(tmp_path):
+    assert load_config(None, BASE + ["run_id=2026-11-29"]).run_id == "2026-11-29"
+    path = tmp_path / "c.yaml"
+    path.write_text("input: {path: /x}\noutput: {path: /y}\nrun_id: 2026-11-29\n")
+    assert load_config(path).run_id == "2026-11-29"
+
+
 def test_features_can_be_a_list_of_columns():
     cfg = load_config(None, BASE + ["input.features_col=[x1, x2, x3]"])
     assert cfg.input.features_col == ["x1", "x2", "x3"]

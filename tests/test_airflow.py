@@ -1,0 +1,65 @@
+"""The Airflow DAG, for real: DagBag parsing and dag.test() submitting the job to a local spark-submit.
+
+Airflow runs in its own virtual environment (the `airflow` extra of pyproject.toml), built here on
+first use and kept under ~/.cache/kfed-spark; the tests in tests/airflow run inside it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from kfed_spark.session import delta_package
+
+from conftest import MIXTURE
+from test_job import ROOT
+
+VENV = Path(os.environ.get("KFED_AIRFLOW_VENV", Path.home() / ".cache" / "kfed-spark" / "airflow-venv"))
+
+
+def airflow_python() -> Path:
+    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["airflow"]
+    wanted = "\n".join([*requirements, "pytest>=8"])
+    marker = VENV / "kfed-requirements.txt"
+    if not marker.exists() or marker.read_text() != wanted:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
+        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", *wanted.split("\n")], check=True, timeout=1800)
+        marker.write_text(wanted)
+    return VENV / "bin" / "python"
+
+
+def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path):
+    from pyspark.find_spark_home import _find_spark_home
+
+    python = airflow_python()
+    config = tmp_path / "kfed.yaml"
+    config.write_text(
+        f"input: {{path: \"{mixture_path}\"}}\noutput: {{path: unused}}\n"
+        f"k: {MIXTURE['k']}\nk_per_device: {MIXTURE['k_per_device']}\nseed: 1\n"
+        "spark: {conf: {spark.sql.shuffle.partitions: '2', spark.databricks.delta.snapshotPartitions: '2', "
+        "spark.ui.enabled: 'false'}}\n"
+    )
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path / "airflow"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "jobs"),
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        "KFED_CONFIG": str(config),
+        "KFED_OUTPUT": str(tmp_path / "out"),
+        "KFED_DELTA_PACKAGE": delta_package(),
+        "PATH": f"{_find_spark_home()}/bin:{os.environ['PATH']}",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+    }
+    migrate = subprocess.run([str(python), "-m", "airflow", "db", "migrate"], env=env, capture_output=True, text=True)
+    assert migrate.returncode == 0, migrate.stderr[-3000:]
+    result = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--confcutdir", str(ROOT / "tests" / "airflow"),
+         str(ROOT / "tests" / "airflow")],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert "3 passed" in result.stdout
