@@ -156,6 +156,7 @@ def write_empty_config(tmp_path):
     "overrides, message",
     [
         (["input.path=/nonexistent/kfed"], "cannot read parquet input /nonexistent/kfed: [PATH_NOT_FOUND]"),
+        (["input.path=null", "input.table=nowhere.devices"], "cannot read table nowhere.devices: [TABLE_OR_VIEW_NOT_FOUND]"),
         (["input.device_col=writer"], "input has no device column 'writer'"),
         (["input.features_col=pixels"], "input has no feature column(s) 'pixels'"),
         (["input.features_col=device_id"], "feature column 'device_id' has type bigint"),
