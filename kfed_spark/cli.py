@@ -1,4 +1,7 @@
-"""The `kfed-spark` command: run, generate, demo. spark-submit's jobs/kfed_job.py calls main() too."""
+"""The `kfed-spark` command: run, assign, sql, generate, demo, bench, bench-server.
+
+spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +12,6 @@ from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
 from kfed_spark.errors import KFedError
-
-log = logging.getLogger("kfed_spark")
 
 DEMO_FOLDER = "kfed-demo"
 QUIET_LOCAL_SPARK = {
