@@ -53,6 +53,17 @@ def absolute(path: str) -> str:
     return path if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path) else os.path.abspath(path)
 
 
+def _replace_slice(df: DataFrame, path: str, run_id: str, note: str) -> None:
+    """One atomic Delta commit that replaces the rows of run_id with df (which holds only that run)."""
+    (
+        df.write.format("delta")
+        .mode("overwrite")
+        .option("replaceWhere", f"run_id = '{run_id}'")
+        .option("userMetadata", note)
+        .save(path)
+    )
+
+
 class OutputTables:
     """The Delta tables of one output location; each run owns the rows with its run_id."""
 
@@ -101,13 +112,7 @@ class OutputTables:
             .partitionedBy("run_id")
             .execute()
         )
-        (
-            df.write.format("delta")
-            .mode("overwrite")
-            .option("replaceWhere", f"run_id = '{run_id}'")
-            .option("userMetadata", f"kfed-spark run {run_id}")
-            .save(path)
-        )
+        _replace_slice(df, path, run_id, f"kfed-spark run {run_id}")
         log.info("wrote %s for run %s", path, run_id)
 
     def _version(self, name: str) -> int | None:
@@ -134,13 +139,8 @@ class OutputTables:
                     previous = self.spark.createDataFrame([], current.schema)
                 else:
                     previous = self.spark.read.format("delta").option("versionAsOf", version).load(path)
-                (
-                    previous.filter(F.col("run_id") == run_id)
-                    .write.format("delta")
-                    .mode("overwrite")
-                    .option("replaceWhere", f"run_id = '{run_id}'")
-                    .option("userMetadata", f"kfed-spark undo of failed run {run_id}")
-                    .save(path)
+                _replace_slice(
+                    previous.filter(F.col("run_id") == run_id), path, run_id, f"kfed-spark undo of failed run {run_id}"
                 )
                 log.warning("run %s failed: restored its slice of %s", run_id, path)
             raise
