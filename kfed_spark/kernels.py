@@ -138,17 +138,17 @@ def lloyd(
     centers: np.ndarray,
     max_iter: int,
     tol: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Weighted Lloyd from the given centers until assignments stop changing.
 
     Also stops after max_iter rounds or once no center moves more than tol (squared, relative
     to the data's mean squared norm). An emptied cluster keeps its previous center.
-    Returns (centers, labels of the returned centers, rounds run).
+    Returns (centers, each row's label and squared distance under them, rounds run).
     """
     centers = np.array(centers, dtype=np.float64)
     k = len(centers)
     scale = float(np.average(np.einsum("ij,ij->i", x, x), weights=weights)) or 1.0
-    labels, _ = nearest_center(x, centers)
+    labels, sq_dist = nearest_center(x, centers)
     rounds = 0
     while rounds < max_iter:
         rounds += 1
@@ -156,12 +156,12 @@ def lloyd(
         moved = mass > 0
         shift = float(np.max(np.sum((means[moved] - centers[moved]) ** 2, axis=1), initial=0.0))
         centers[moved] = means[moved]
-        new_labels, _ = nearest_center(x, centers)
-        if np.array_equal(new_labels, labels) or shift <= tol * scale:
-            labels = new_labels
-            break
+        new_labels, sq_dist = nearest_center(x, centers)
+        unchanged = np.array_equal(new_labels, labels)
         labels = new_labels
-    return centers, labels, rounds
+        if unchanged or shift <= tol * scale:
+            break
+    return centers, labels, sq_dist, rounds
 
 
 def top_right_singular_vectors(
@@ -216,14 +216,34 @@ def local_step(
     rank = min(k, distinct.shape[1])
     projected = distinct @ top_right_singular_vectors(distinct, weights, rank, rng).T
     rough = projected[kmeans_plusplus(projected, weights, k, rng)]
-    rough, _, _ = lloyd(projected, weights, rough, ROUGH_LLOYD_ITERATIONS)
+    rough = lloyd(projected, weights, rough, ROUGH_LLOYD_ITERATIONS)[0]
     initial = margin_initial_centers(distinct, projected, weights, rough)
-    centers, labels, _ = lloyd(distinct, weights, initial, max_iter, tol)
-    _, sq_dist = nearest_center(distinct, centers)
+    centers, labels, sq_dist, _ = lloyd(distinct, weights, initial, max_iter, tol)
     mass = np.bincount(labels, weights=weights, minlength=k)
     sse = np.bincount(labels, weights=weights * sq_dist, minlength=k)
     keep = mass > 0
     return LocalClustering(centers[keep], mass[keep].astype(np.int64), sse[keep])
+
+
+def estimate_local_k(x: np.ndarray, k_max: int) -> int:
+    """How many clusters one device's rows hold, in [1, k_max], from its singular values alone.
+
+    k separated clusters put k - 1 directions of between-cluster spread into the centered rows;
+    noise spreads evenly over the rest. A direction counts as signal when its singular value is
+    above the Gavish-Donoho hard threshold for unknown noise, omega(beta) times the median
+    singular value (Gavish and Donoho 2014, beta = aspect ratio of the matrix). The estimate is
+    1 + the number of such directions, so it needs d >= k - 1 and roughly isotropic noise; on
+    data with structure in many directions (images) it stays at k_max.
+    """
+    distinct, counts = np.unique(np.asarray(x, dtype=np.float64), axis=0, return_counts=True)
+    if len(distinct) <= 2:
+        return max(1, min(k_max, len(distinct)))
+    mean = np.average(distinct, axis=0, weights=counts)
+    singular = np.linalg.svd((distinct - mean) * np.sqrt(counts)[:, None], compute_uv=False)
+    beta = min(distinct.shape) / max(distinct.shape)
+    omega = 0.56 * beta**3 - 0.95 * beta**2 + 1.82 * beta + 1.43
+    signal = int(np.sum(singular > omega * np.median(singular)))
+    return int(min(k_max, 1 + signal, len(distinct)))
 
 
 def scale_counts(counts: np.ndarray, total: int) -> np.ndarray:
@@ -240,6 +260,14 @@ def scale_counts(counts: np.ndarray, total: int) -> np.ndarray:
     return scaled
 
 
+SEEDINGS = ("farthest", "robust", "kmeanspp")
+KMEANSPP_RESTARTS = 10
+"""Seedings tried by seeding="kmeanspp"; the one with the lowest weighted cost is kept."""
+
+SERVER_RNG_KEY = "__kfed_server__"
+"""Device id under which the server step's own random draws are seeded from the run seed."""
+
+
 def server_step(
     centers: np.ndarray,
     counts: np.ndarray,
@@ -249,56 +277,115 @@ def server_step(
     refine: str = "lloyd",
     max_iter: int = 300,
     tol: float = 0.0,
+    seeding: str = "farthest",
+    robust_min_size: float = 0.25,
+    seed: int = 0,
 ) -> ServerClustering:
     """Alg. 2: merge all devices' local centers into k global clusters.
 
-    The seed set is the centers of the device with the most local centers (ties: smallest id);
-    farthest-point additions keep every local center's distance to the seed set up to date
-    (O(m d) per added seed). Every local center then goes to its nearest seed; refine="lloyd"
-    runs Lloyd over the local centers weighted by their point counts, refine="none" keeps the
-    seeds as the global centers. Local centers are put in (device, position) order first, so the
-    result does not depend on the order the devices were given in.
+    seeding="farthest" (the paper): the seed set starts as the centers of the device with the
+    most local centers (ties: smallest id) and grows by farthest-point additions. "robust" does
+    the same over only the local centers backed by at least robust_min_size times the median
+    center count, and refines over them only, so a few stray points can neither become seeds
+    nor pull a center away; the small ones are assigned to the nearest global center at the end.
+    "kmeanspp" runs greedy k-means++ over the count-weighted local centers KMEANSPP_RESTARTS
+    times (seeded from the run seed) and keeps the seeding with the lowest weighted cost after
+    refinement. Every local center then goes to its nearest seed; refine="lloyd" runs Lloyd over
+    the local centers weighted by their point counts, refine="none" keeps the seeds as the
+    global centers. Local centers are put in (device, position) order first, so the result does
+    not depend on the order the devices were given in.
     """
     if refine not in ("lloyd", "none"):
         raise ValueError(f"server_refine must be 'lloyd' or 'none', not {refine!r}")
+    if seeding not in SEEDINGS:
+        raise ValueError(f"seeding must be one of {', '.join(SEEDINGS)}, not {seeding!r}")
     centers = np.asarray(centers, dtype=np.float64)
     device_ids = np.asarray(device_ids)
     by_local_id = np.argsort(local_ids, kind="stable")
     order = by_local_id[np.argsort(device_ids[by_local_id], kind="stable")]
     ordered = centers[order]
-    ordered_devices = device_ids[order]
-    devices, first, per_device = np.unique(ordered_devices, return_index=True, return_counts=True)
-    seed_index = int(np.argmax(per_device))
-    seeds = list(range(first[seed_index], first[seed_index] + per_device[seed_index]))
-    if len(seeds) > k:
-        raise ValueError(f"device {plain(devices[seed_index])!r} has {len(seeds)} local centers, more than k = {k}")
-    _, to_seeds = nearest_center(ordered, ordered[seeds])
-    norms = np.einsum("ij,ij->i", ordered, ordered)
-    # |x|^2 - 2x.c + |c|^2 leaves rounding residue for equal points: below this, a center is a duplicate.
-    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
-    while len(seeds) < k:
-        farthest = int(np.argmax(to_seeds))
-        if to_seeds[farthest] <= duplicate_below:
-            raise ValueError(
-                f"k = {k} is more than the {len(seeds)} distinct local centers the devices provide; "
-                f"lower k or raise k_per_device"
-            )
-        seeds.append(farthest)
-        to_new = ordered @ ordered[farthest]
-        to_new *= -2.0
-        to_new += norms
-        to_new += norms[farthest]
-        np.minimum(to_seeds, to_new, out=to_seeds)
-    global_centers = ordered[seeds].copy()
     weights = np.asarray(counts, dtype=np.float64)[order]
-    rounds = 0
-    if refine == "lloyd":
-        global_centers, ordered_assignment, rounds = lloyd(ordered, weights, global_centers, max_iter, tol)
+    eligible = np.ones(len(ordered), dtype=bool)
+    if seeding == "robust":
+        eligible = weights >= robust_min_size * np.median(weights)
+    if seeding == "kmeanspp":
+        rngs = [device_rng(seed, f"{SERVER_RNG_KEY}{restart}") for restart in range(KMEANSPP_RESTARTS)]
+        candidates = [_kmeanspp_seeds(ordered, weights, k, rng) for rng in rngs]
+        seed_device = None
     else:
+        initial, seed_device = _largest_device_centers(ordered, device_ids[order], eligible, k)
+        candidates = [_farthest_point_seeds(ordered, initial, eligible, k)]
+    refined = [_refine(ordered[eligible], weights[eligible], ordered[seeds], refine, max_iter, tol) for seeds in candidates]
+    global_centers, ordered_assignment, rounds = min(refined, key=lambda result: result[3])[:3]
+    if not eligible.all():
         ordered_assignment, _ = nearest_center(ordered, global_centers)
     assignment = np.empty_like(ordered_assignment)
     assignment[order] = ordered_assignment
-    return ServerClustering(global_centers, assignment, plain(devices[seed_index]), rounds)
+    return ServerClustering(global_centers, assignment, seed_device, rounds)
+
+
+def _refine(x, weights, seeds, refine, max_iter, tol) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """(centers, assignment of x, Lloyd rounds, weighted cost) from the given seeds."""
+    if refine == "lloyd":
+        centers, assignment, sq_dist, rounds = lloyd(x, weights, seeds, max_iter, tol)
+    else:
+        centers, rounds = np.array(seeds), 0
+        assignment, sq_dist = nearest_center(x, centers)
+    return centers, assignment, rounds, float(weights @ sq_dist)
+
+
+def _largest_device_centers(x, devices, eligible, k) -> tuple[np.ndarray, object]:
+    """Positions of the eligible centers of the device with the most of them (ties: smallest id)."""
+    keys, slot = np.unique(devices[eligible], return_inverse=True)
+    per_device = np.bincount(slot, minlength=len(keys))
+    chosen = int(np.argmax(per_device))
+    if per_device[chosen] > k:
+        raise ValueError(f"device {plain(keys[chosen])!r} has {per_device[chosen]} local centers, more than k = {k}")
+    return np.flatnonzero(eligible)[slot == chosen], plain(keys[chosen])
+
+
+def _farthest_point_seeds(x: np.ndarray, initial: np.ndarray, eligible: np.ndarray, k: int) -> np.ndarray:
+    """Grow the seed set to k by repeatedly adding the eligible point farthest from it.
+
+    Every point's squared distance to the seed set is kept up to date with one matrix-vector
+    product per added seed (O(k m d) in all, no m x k matrix). When the eligible points run out
+    of distinct candidates, the others may be picked too; fewer than k distinct points is an error.
+    """
+    norms = np.einsum("ij,ij->i", x, x)
+    # |x|^2 - 2x.c + |c|^2 leaves rounding residue for equal points: below this, a point is a duplicate.
+    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
+    seeds = [int(i) for i in initial]
+    pools = [eligible] if eligible.all() else [eligible, np.ones_like(eligible)]
+    for pool in pools:
+        # Points outside the pool get distance -inf, which np.minimum keeps: they are never picked.
+        _, to_seeds = nearest_center(x, x[seeds])
+        to_seeds[~pool] = -np.inf
+        while len(seeds) < k:
+            farthest = int(np.argmax(to_seeds))
+            if to_seeds[farthest] <= duplicate_below:
+                break
+            seeds.append(farthest)
+            to_new = x @ x[farthest]
+            to_new *= -2.0
+            to_new += norms
+            to_new += norms[farthest]
+            np.minimum(to_seeds, to_new, out=to_seeds)
+    if len(seeds) < k:
+        raise ValueError(
+            f"k = {k} is more than the {len(seeds)} distinct local centers the devices provide; "
+            f"lower k or raise k_per_device"
+        )
+    return np.asarray(seeds)
+
+
+def _kmeanspp_seeds(x: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    seeds = kmeans_plusplus(x, weights, k, rng)
+    if len(seeds) < k:
+        raise ValueError(
+            f"k = {k} is more than the {len(seeds)} distinct local centers the devices provide; "
+            f"lower k or raise k_per_device"
+        )
+    return seeds
 
 
 def nearest_device_center(
@@ -333,24 +420,30 @@ def federated_kmeans(
     x: np.ndarray,
     devices: np.ndarray,
     k: int,
-    k_per_device: int,
+    k_per_device: int | str,
     seed: int,
     refine: str = "lloyd",
     label_mode: str = "induced",
     max_iter: int = 100,
     tol: float = 1e-8,
+    seeding: str = "farthest",
+    robust_min_size: float = 0.25,
+    k_per_device_max: int = 16,
 ) -> FederatedClustering:
     """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
 
-    It is the single-process floor of the benchmark and the reference the Spark job is tested against.
+    k_per_device is a number or "auto" (each device's estimate_local_k, at most
+    min(k, k_per_device_max)). It is the single-process floor of the benchmark and the
+    reference the Spark job is tested against.
     """
     order = np.argsort(devices, kind="stable")
     keys, starts = np.unique(devices[order], return_index=True)
     ends = np.append(starts[1:], len(order))
-    results = [
-        local_step(x[order[s:e]], k_per_device, device_rng(seed, plain(key)), max_iter, tol)
-        for key, s, e in zip(keys, starts, ends)
-    ]
+    results = []
+    for key, s, e in zip(keys, starts, ends):
+        rows = x[order[s:e]]
+        k_z = estimate_local_k(rows, min(k, k_per_device_max)) if k_per_device == "auto" else k_per_device
+        results.append(local_step(rows, k_z, device_rng(seed, plain(key)), max_iter, tol))
     per_device = np.array([len(r.counts) for r in results])
     local_devices = np.repeat(keys, per_device)
     local_ids = np.concatenate([np.arange(m) for m in per_device])
@@ -362,6 +455,9 @@ def federated_kmeans(
         k,
         refine,
         tol=tol,
+        seeding=seeding,
+        robust_min_size=robust_min_size,
+        seed=seed,
     )
     first_center = np.concatenate([[0], np.cumsum(per_device)[:-1]])
     local_labels = np.empty(len(x), dtype=np.int64)

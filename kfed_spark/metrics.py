@@ -10,19 +10,26 @@ def _pairs(counts: np.ndarray) -> float:
     return float(np.sum(counts * (counts - 1.0)) / 2.0)
 
 
+def contingency(truth: np.ndarray, labels: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
+    """(truth classes, labels) matrix of counts from (truth, label, count) cells (count 1 if omitted)."""
+    counts = np.ones(len(truth)) if counts is None else np.asarray(counts, dtype=np.float64)
+    _, t = np.unique(np.asarray(truth), return_inverse=True)
+    _, c = np.unique(np.asarray(labels), return_inverse=True)
+    cells = np.zeros((t.max() + 1, c.max() + 1))
+    np.add.at(cells, (t, c), counts)
+    return cells
+
+
 def adjusted_rand_index(truth: np.ndarray, labels: np.ndarray, counts: np.ndarray | None = None) -> float:
     """Adjusted Rand index (Hubert and Arabie 1985) of two labelings given as (truth, label, count) cells.
 
     With counts omitted every (truth, label) pair counts once, as in scikit-learn's
     adjusted_rand_score.
     """
-    truth = np.asarray(truth)
-    labels = np.asarray(labels)
-    counts = np.ones(len(truth)) if counts is None else np.asarray(counts, dtype=np.float64)
-    _, t = np.unique(truth, return_inverse=True)
-    _, c = np.unique(labels, return_inverse=True)
-    cells = np.zeros((t.max() + 1, c.max() + 1))
-    np.add.at(cells, (t, c), counts)
+    return ari_of(contingency(truth, labels, counts))
+
+
+def ari_of(cells: np.ndarray) -> float:
     index = _pairs(cells)
     rows, cols = _pairs(cells.sum(axis=1)), _pairs(cells.sum(axis=0))
     total = _pairs(np.array([cells.sum()]))
@@ -31,6 +38,55 @@ def adjusted_rand_index(truth: np.ndarray, labels: np.ndarray, counts: np.ndarra
     if maximum == expected:
         return 1.0
     return (index - expected) / (maximum - expected)
+
+
+def _entropy(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(-np.sum(p * np.log(p)))
+
+
+def nmi_of(cells: np.ndarray) -> float:
+    """Normalized mutual information, arithmetic-mean normalisation (scikit-learn's default)."""
+    total = cells.sum()
+    rows, cols = cells.sum(axis=1), cells.sum(axis=0)
+    nonzero = cells > 0
+    outer = np.outer(rows, cols)[nonzero]
+    mutual = float(np.sum(cells[nonzero] / total * np.log(cells[nonzero] * total / outer)))
+    h_truth, h_labels = _entropy(rows), _entropy(cols)
+    if h_truth == 0.0 and h_labels == 0.0:
+        return 1.0
+    return mutual / ((h_truth + h_labels) / 2.0) if (h_truth + h_labels) > 0 else 0.0
+
+
+def matched_accuracy_of(cells: np.ndarray) -> float:
+    """Share of rows whose cluster maps to their class under the best one-to-one matching
+    (Hungarian algorithm); clusters left without a class count as wrong."""
+    from scipy.optimize import linear_sum_assignment
+
+    rows, cols = linear_sum_assignment(cells, maximize=True)
+    return float(cells[rows, cols].sum() / cells.sum())
+
+
+def silhouette(x: np.ndarray, labels: np.ndarray) -> float:
+    """Mean silhouette coefficient of the rows x (use a sample: this is O(n^2) memory).
+
+    A row alone in its cluster scores 0, as in scikit-learn.
+    """
+    keys, index = np.unique(labels, return_inverse=True)
+    if len(keys) < 2:
+        return 0.0
+    sq = np.einsum("ij,ij->i", x, x)
+    dist = np.sqrt(np.maximum(sq[:, None] - 2.0 * x @ x.T + sq[None, :], 0.0))
+    sums = np.zeros((len(x), len(keys)))
+    np.add.at(sums.T, index, dist)
+    sizes = np.bincount(index).astype(np.float64)
+    own = sizes[index] - 1.0
+    a = np.divide(sums[np.arange(len(x)), index], own, out=np.zeros(len(x)), where=own > 0)
+    other = sums / sizes[None, :]
+    other[np.arange(len(x)), index] = np.inf
+    b = other.min(axis=1)
+    score = np.where(own > 0, (b - a) / np.maximum(a, b), 0.0)
+    return float(np.mean(score))
 
 
 def within_cluster_cost(counts: np.ndarray, sums: np.ndarray, squared_norms: np.ndarray) -> float:

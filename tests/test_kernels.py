@@ -6,6 +6,7 @@ from sklearn.metrics import adjusted_rand_score
 
 from kfed_spark.kernels import (
     device_rng,
+    estimate_local_k,
     kmeans_plusplus,
     local_step,
     margin_initial_centers,
@@ -182,6 +183,63 @@ def test_server_step_rejects_k_above_distinct_local_centers():
         server_step(centers, np.ones(10), np.arange(10), np.zeros(10), 6)
 
 
+def test_pruned_farthest_point_search_equals_the_plain_one():
+    rng = np.random.default_rng(11)
+    x, _ = blobs(rng, rng.normal(0, 20, size=(80, 6)), 4000)
+    devices, local_ids = np.arange(len(x)) // 4, np.arange(len(x)) % 4
+    result = server_step(x, np.ones(len(x)), devices, local_ids, 120, refine="none")
+    np.testing.assert_array_equal(result.centers, farthest_first_reference(x, [0, 1, 2, 3], 120))
+
+
+def outlier_setting(rng):
+    """Local centers of 30 devices, each on 3 of 6 clusters, plus 10 one-point devices far out."""
+    means = rng.normal(0, 30, size=(6, 5))
+    truth = np.concatenate([rng.choice(6, size=3, replace=False) for _ in range(30)])
+    x = means[truth] + rng.standard_normal((len(truth), 5))
+    stray = rng.normal(0, 1, size=(10, 5)) + 150.0 * rng.choice([-1, 1], size=(10, 5))
+    centers = np.concatenate([x, stray])
+    counts = np.concatenate([np.full(len(x), 50), np.ones(10, dtype=int)])
+    devices = np.concatenate([np.arange(len(x)) // 3, 100 + np.arange(10)])
+    local_ids = np.concatenate([np.arange(len(x)) % 3, np.zeros(10, dtype=int)])
+    return centers, counts, devices, local_ids, truth
+
+
+def test_robust_seeding_ignores_small_outlying_centers_that_farthest_point_picks():
+    centers, counts, devices, local_ids, truth = outlier_setting(np.random.default_rng(12))
+    inliers = slice(0, len(truth))
+    plain_run = server_step(centers, counts, devices, local_ids, 6, seeding="farthest")
+    robust = server_step(centers, counts, devices, local_ids, 6, seeding="robust")
+    assert adjusted_rand_index(truth, robust.assignment[inliers]) == pytest.approx(1.0)
+    assert adjusted_rand_index(truth, plain_run.assignment[inliers]) < 0.8
+    assert len(robust.assignment) == len(centers)  # the small centers are still assigned
+
+
+def test_kmeanspp_seeding_is_seeded_and_finds_the_clusters():
+    rng = np.random.default_rng(13)
+    means = rng.normal(0, 30, size=(8, 4))
+    x, truth = blobs(rng, means, 400)
+    devices, local_ids = np.arange(400) // 4, np.arange(400) % 4
+    first = server_step(x, np.ones(400), devices, local_ids, 8, seeding="kmeanspp", seed=3)
+    again = server_step(x, np.ones(400), devices, local_ids, 8, seeding="kmeanspp", seed=3)
+    np.testing.assert_array_equal(first.centers, again.centers)
+    assert adjusted_rand_index(truth, first.assignment) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="seeding must be one of"):
+        server_step(x, np.ones(400), devices, local_ids, 8, seeding="best")
+
+
+@pytest.mark.parametrize("clusters", [1, 2, 3, 5, 8])
+def test_local_k_estimate_counts_the_clusters_a_device_holds(clusters):
+    rng = np.random.default_rng(clusters)
+    x, _ = blobs(rng, rng.normal(0, 4, size=(clusters, 32)), 400)
+    assert estimate_local_k(x, k_max=10) == clusters
+    assert estimate_local_k(x, k_max=2) == min(clusters, 2)
+
+
+def test_local_k_estimate_of_tiny_devices():
+    assert estimate_local_k(np.ones((5, 3)), k_max=4) == 1
+    assert estimate_local_k(np.array([[0.0, 1.0], [2.0, 3.0]]), k_max=4) == 2
+
+
 def test_nearest_device_center_uses_each_rows_own_device():
     device_centers = np.array([[[0.0], [10.0]], [[5.0], [0.0]]])
     valid = np.array([[True, True], [True, False]])
@@ -212,3 +270,17 @@ def test_scale_counts_keeps_proportions_and_the_total():
     np.testing.assert_array_equal(scale_counts(np.array([30, 30, 40]), 1000), [300, 300, 400])
     scaled = scale_counts(np.array([1, 1, 1]), 100)
     assert scaled.sum() == 100 and sorted(scaled) == [33, 33, 34]
+
+
+def test_nmi_accuracy_and_silhouette_match_scikit_learn():
+    from sklearn.metrics import normalized_mutual_info_score, silhouette_score
+
+    from kfed_spark.metrics import contingency, matched_accuracy_of, nmi_of, silhouette
+
+    rng = np.random.default_rng(9)
+    truth, labels, x = rng.integers(0, 4, 400), rng.integers(0, 6, 400), rng.normal(size=(400, 5))
+    assert nmi_of(contingency(truth, labels)) == pytest.approx(normalized_mutual_info_score(truth, labels))
+    assert silhouette(x, labels) == pytest.approx(silhouette_score(x, labels))
+    assert matched_accuracy_of(contingency(truth, (truth + 2) % 4)) == pytest.approx(1.0)
+    # Class 0: 3 rows in cluster 0, 1 in cluster 1; class 1: 1 row in cluster 0. Best: 0 -> 0, 1 -> 1: 3 of 5.
+    assert matched_accuracy_of(contingency([0, 0, 0, 0, 1], [0, 0, 0, 1, 0])) == pytest.approx(0.6)
