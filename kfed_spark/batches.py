@@ -15,6 +15,7 @@ import pyarrow as pa
 from kfed_spark.kernels import (
     LocalClustering,
     device_rng,
+    estimate_local_k,
     local_step,
     nearest_center,
     nearest_device_center,
@@ -51,7 +52,12 @@ def device_runs(devices: np.ndarray) -> Iterator[tuple[object, int, int]]:
 
 @dataclass(frozen=True)
 class LocalStepSpec:
-    """What the local step needs inside a Python worker (pickled with the function: keep it small)."""
+    """What the local step needs inside a Python worker (pickled with the function: keep it small).
+
+    k_source: "fixed" clusters every device with k centers, "auto" estimates each device's k_z
+    in [1, k] from its rows (kernels.estimate_local_k), "column" reads k_z from the batches'
+    third column.
+    """
 
     k: int
     seed: int
@@ -60,6 +66,7 @@ class LocalStepSpec:
     dim: int
     device_type: pa.DataType
     max_rows: int
+    k_source: str = "fixed"
     fail_first_attempt: bool = False
 
 
@@ -67,7 +74,8 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
     """Run alg. 1 once per device over batches of (device, features) rows sorted by device.
 
     A device's rows may span several batches and a batch may hold several devices: rows are
-    buffered until the device id changes. Rows with a null, NaN or infinite value are skipped. A device is clustered on its first spec.max_rows rows
+    buffered until the device id changes. Rows with a null, NaN or infinite value are skipped.
+    A device is clustered on its first spec.max_rows rows
     (the caller orders each device's rows by a seeded hash, so these are a deterministic sample);
     the rest are only counted, and its centers report counts and SSE for all of its rows.
     Yields (device, local_cluster_id, center, n_points, sse).
@@ -75,17 +83,21 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
     if spec.fail_first_attempt:
         _fail_if_first_attempt()
     out = _LocalCenterRows(spec.device_type)
-    device, kept, kept_rows, seen = None, [], 0, 0
+    device, device_k, kept, kept_rows, seen = None, spec.k, [], 0, 0
     for batch in batches:
         devices = batch.column(0).to_numpy(zero_copy_only=False)
         x = feature_matrix(batch.column(1), spec.dim)
+        ks = batch.column(2).to_numpy(zero_copy_only=False) if spec.k_source == "column" else None
         finite = np.isfinite(x).all(axis=1)
         if not finite.all():  # the labelling pass quarantines these rows
             devices, x = devices[finite], x[finite]
+            ks = ks[finite] if ks is not None else None
         for run_device, start, end in device_runs(devices):
             if seen and run_device != device:
-                out.add(device, _cluster(device, kept, seen, spec))
+                out.add(device, _cluster(device, device_k, kept, seen, spec))
                 kept, kept_rows, seen = [], 0, 0
+            if not seen and ks is not None:
+                device_k = int(ks[start])
             device = run_device
             take = min(end - start, spec.max_rows - kept_rows)
             if take > 0:
@@ -95,7 +107,7 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
         if len(out) >= LOCAL_OUTPUT_ROWS:
             yield out.flush()
     if seen:
-        out.add(device, _cluster(device, kept, seen, spec))
+        out.add(device, _cluster(device, device_k, kept, seen, spec))
     if len(out):
         yield out.flush()
 
@@ -109,9 +121,11 @@ def _fail_if_first_attempt() -> None:
         raise RuntimeError(f"injected failure in the first attempt of local-step task {context.partitionId()}")
 
 
-def _cluster(device: object, parts: list[np.ndarray], seen: int, spec: LocalStepSpec) -> LocalClustering:
+def _cluster(device: object, k: int, parts: list[np.ndarray], seen: int, spec: LocalStepSpec) -> LocalClustering:
     x = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    result = local_step(x, spec.k, device_rng(spec.seed, device), spec.max_iter, spec.tol)
+    if spec.k_source == "auto":
+        k = estimate_local_k(x, spec.k)
+    result = local_step(x, k, device_rng(spec.seed, device), spec.max_iter, spec.tol)
     if seen == len(x):
         return result
     return LocalClustering(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))

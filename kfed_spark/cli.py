@@ -1,4 +1,4 @@
-"""The `kfed-spark` command: run, assign, sql, generate, demo, bench, bench-server.
+"""The `kfed-spark` command: run, assign, sql, generate, prepare, demo, report, bench, bench-quality, bench-server.
 
 spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
 """
@@ -104,10 +104,27 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("--limit", type=int, default=100, help="rows to print at most (default 100)")
     sql.set_defaults(handler=command_sql)
 
+    report = commands.add_parser("report", help="print the report of a run (its report.json, as text)")
+    report.add_argument("run_id", metavar="RUN_ID", help="the run whose report to print")
+    report.add_argument("--output", help="the output location (default: output.path of --config)")
+    report.add_argument("--config", help="YAML config whose output.path to use")
+    report.add_argument("--json", action="store_true", help="print report.json as it is")
+    report.set_defaults(handler=command_report)
+
     generate = commands.add_parser("generate", help="write a heterogeneous Gaussian mixture as Parquet")
     generate.add_argument("--out", required=True, help="output folder for the Parquet file")
     add_mixture_arguments(generate)
     generate.set_defaults(handler=command_generate)
+
+    prepare = commands.add_parser(
+        "prepare", help="turn a real dataset (femnist, mnist, shakespeare) into the job's input table (Parquet)"
+    )
+    prepare.add_argument("dataset", choices=["femnist", "mnist", "shakespeare"], help="which dataset")
+    prepare.add_argument("--out", required=True, help="output folder for the Parquet file")
+    prepare.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
+    prepare.add_argument("--max-devices", type=int, help="keep only this many devices (a small slice)")
+    prepare.add_argument("--seed", type=int, default=0, help="seed of any random split (default 0)")
+    prepare.set_defaults(handler=command_prepare)
 
     demo = commands.add_parser("demo", help="generate a small mixture, cluster it locally, print a summary")
     demo.add_argument("--folder", default=DEMO_FOLDER, help=f"where the demo writes (default ./{DEMO_FOLDER})")
@@ -243,6 +260,23 @@ def command_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_report(args: argparse.Namespace) -> int:
+    import json
+
+    from kfed_spark.io import report_of
+    from kfed_spark.report import terminal_text
+
+    if args.output:
+        output = args.output
+    elif args.config:
+        output = load_config(args.config).output.path
+    else:
+        raise KFedError("give --output PATH or --config FILE to say where the run's tables are")
+    raw = report_of(output, args.run_id)
+    print(raw.decode() if args.json else terminal_text(json.loads(raw)))
+    return 0
+
+
 def command_generate(args: argparse.Namespace) -> int:
     from kfed_spark.synthetic import write_mixture
 
@@ -259,6 +293,23 @@ def command_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise KFedError(str(exc)) from None
     print(f"wrote {table.num_rows} rows ({args.devices} devices, d = {args.dim}, k = {args.k}) to {args.out}")
+    return 0
+
+
+def command_prepare(args: argparse.Namespace) -> int:
+    from kfed_spark.datasets import DATASETS, load, write_parquet_folder
+
+    table = load(args.dataset, args.data_dir, args.max_devices, args.seed)
+    write_parquet_folder(table, args.out)
+    devices = len(set(table.column("device_id").to_pylist()))
+    clusters = len(set(table.column("true_cluster").to_pylist()))
+    dim = len(table.column("features")[0])
+    print(
+        f"wrote {table.num_rows} rows of {DATASETS[args.dataset].description}: {devices} devices, d = {dim}, "
+        f"{clusters} true clusters, to {args.out}\n"
+        f"cluster it: kfed-spark run --config conf/local.yaml --set input.path={args.out} "
+        f"--set input.truth_col=true_cluster --set k={clusters} --set k_per_device=auto"
+    )
     return 0
 
 

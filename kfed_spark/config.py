@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from kfed_spark.errors import ConfigError
+from kfed_spark.kernels import SEEDINGS
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 IDENTIFIER_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -51,9 +52,14 @@ class KFedConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     spark: SparkConfig = field(default_factory=SparkConfig)
     k: int = 8
-    k_per_device: int = 2
+    k_per_device: int | str = 2
+    """Local clusters per device: an integer, 'auto', or a column of the input or a side table."""
+    k_per_device_max: int = 16
+    """With k_per_device 'auto': the largest k_z a device may estimate (capped at k)."""
     seed: int = 0
     run_id: str | None = None
+    seeding: str = "farthest"
+    robust_min_size: float = 0.25
     server_refine: str = "lloyd"
     label_mode: str = "induced"
     max_iter: int = 100
@@ -61,6 +67,8 @@ class KFedConfig:
     local_partitions: int | None = None
     max_rows_per_device: int = 100_000
     on_bad_rows: str = "quarantine"
+    report: bool = True
+    """Write report.json and report.html under <output.path>/reports/<run_id>/."""
     inject_failure: str | None = None
 
 
@@ -155,9 +163,18 @@ def validate(cfg: KFedConfig) -> None:
 def validate_algorithm(cfg: KFedConfig) -> None:
     """The settings of the clustering itself (what the estimator's params also set)."""
     _require_int("k", cfg.k, 1)
-    _require_int("k_per_device", cfg.k_per_device, 1)
-    if cfg.k_per_device > cfg.k:
-        raise ConfigError(f"k_per_device ({cfg.k_per_device}) must not exceed k ({cfg.k})")
+    if isinstance(cfg.k_per_device, str):
+        if not cfg.k_per_device.strip():
+            raise ConfigError("k_per_device must be an integer, 'auto', or the name of a column or table")
+        _require_int("k_per_device_max", cfg.k_per_device_max, 1)
+    else:
+        _require_int("k_per_device", cfg.k_per_device, 1)
+        if cfg.k_per_device > cfg.k:
+            raise ConfigError(f"k_per_device ({cfg.k_per_device}) must not exceed k ({cfg.k})")
+    if cfg.seeding not in SEEDINGS:
+        raise ConfigError(f"seeding must be one of {', '.join(SEEDINGS)}, got {cfg.seeding!r}")
+    if isinstance(cfg.robust_min_size, bool) or not isinstance(cfg.robust_min_size, (int, float)) or cfg.robust_min_size < 0:
+        raise ConfigError(f"robust_min_size must be a number >= 0, got {cfg.robust_min_size!r}")
     _require_int("seed", cfg.seed, 0)
     _require_int("max_iter", cfg.max_iter, 1)
     _require_int("max_rows_per_device", cfg.max_rows_per_device, 1)
@@ -167,6 +184,8 @@ def validate_algorithm(cfg: KFedConfig) -> None:
         raise ConfigError(f"tol must be a number >= 0, got {cfg.tol!r}")
     if cfg.server_refine not in ("lloyd", "none"):
         raise ConfigError(f"server_refine must be 'lloyd' or 'none', got {cfg.server_refine!r}")
+    if not isinstance(cfg.report, bool):
+        raise ConfigError(f"report must be true or false, got {cfg.report!r}")
     if cfg.on_bad_rows not in ("quarantine", "fail"):
         raise ConfigError(f"on_bad_rows must be 'quarantine' or 'fail', got {cfg.on_bad_rows!r}")
     if cfg.inject_failure not in INJECTED_FAILURES:

@@ -43,7 +43,13 @@ class _KFedParams(HasFeaturesCol, HasPredictionCol, HasSeed, HasMaxIter, HasTol)
 
     k = Param(Params._dummy(), "k", "number of global clusters. Must be >= 1.", typeConverter=TypeConverters.toInt)
     kPerDevice = Param(
-        Params._dummy(), "kPerDevice", "clusters per device. Must be >= 1 and <= k.", typeConverter=TypeConverters.toInt
+        Params._dummy(), "kPerDevice",
+        "clusters per device: an integer in [1, k], 'auto' (each device estimates its own), or a column name.",
+        typeConverter=lambda value: value if isinstance(value, str) else TypeConverters.toInt(value),
+    )
+    seeding = Param(
+        Params._dummy(), "seeding", "server seeding: 'farthest', 'robust' or 'kmeanspp'.",
+        typeConverter=TypeConverters.toString,
     )
     deviceCol = Param(Params._dummy(), "deviceCol", "device id column.", typeConverter=TypeConverters.toString)
     localPredictionCol = Param(
@@ -68,14 +74,17 @@ class _KFedParams(HasFeaturesCol, HasPredictionCol, HasSeed, HasMaxIter, HasTol)
         self._setDefault(
             k=2, kPerDevice=2, deviceCol="device_id", featuresCol="features", predictionCol="prediction",
             localPredictionCol="local_prediction", serverRefine="lloyd", labelMode="induced", maxIter=100,
-            tol=1e-8, maxRowsPerDevice=100_000, seed=0,
+            tol=1e-8, maxRowsPerDevice=100_000, seed=0, seeding="farthest",
         )
 
     def getK(self) -> int:
         return self.getOrDefault(self.k)
 
-    def getKPerDevice(self) -> int:
+    def getKPerDevice(self) -> int | str:
         return self.getOrDefault(self.kPerDevice)
+
+    def getSeeding(self) -> str:
+        return self.getOrDefault(self.seeding)
 
     def getDeviceCol(self) -> str:
         return self.getOrDefault(self.deviceCol)
@@ -99,6 +108,7 @@ class _KFedParams(HasFeaturesCol, HasPredictionCol, HasSeed, HasMaxIter, HasTol)
             k=self.getK(),
             k_per_device=self.getKPerDevice(),
             seed=self.getSeed() & 0x7FFFFFFFFFFFFFFF,
+            seeding=self.getSeeding(),
             server_refine=self.getServerRefine(),
             label_mode=self.getLabelMode(),
             max_iter=self.getMaxIter(),
@@ -114,28 +124,31 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
 
     @keyword_only
     def __init__(
-        self, *, k: int = 2, kPerDevice: int = 2, deviceCol: str = "device_id", featuresCol: str = "features",
+        self, *, k: int = 2, kPerDevice: int | str = 2, deviceCol: str = "device_id", featuresCol: str = "features",
         predictionCol: str = "prediction", localPredictionCol: str = "local_prediction", seed: int = 0,
         serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = 100, tol: float = 1e-8,
-        maxRowsPerDevice: int = 100_000,
+        maxRowsPerDevice: int = 100_000, seeding: str = "farthest",
     ):
         super().__init__()
         self._set(**self._input_kwargs)
 
     @keyword_only
     def setParams(
-        self, *, k: int = 2, kPerDevice: int = 2, deviceCol: str = "device_id", featuresCol: str = "features",
+        self, *, k: int = 2, kPerDevice: int | str = 2, deviceCol: str = "device_id", featuresCol: str = "features",
         predictionCol: str = "prediction", localPredictionCol: str = "local_prediction", seed: int = 0,
         serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = 100, tol: float = 1e-8,
-        maxRowsPerDevice: int = 100_000,
+        maxRowsPerDevice: int = 100_000, seeding: str = "farthest",
     ) -> "KFed":
         return self._set(**self._input_kwargs)
 
     def setK(self, value: int) -> "KFed":
         return self._set(k=value)
 
-    def setKPerDevice(self, value: int) -> "KFed":
+    def setKPerDevice(self, value: int | str) -> "KFed":
         return self._set(kPerDevice=value)
+
+    def setSeeding(self, value: str) -> "KFed":
+        return self._set(seeding=value)
 
     def setDeviceCol(self, value: str) -> "KFed":
         return self._set(deviceCol=value)

@@ -9,18 +9,21 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import pyarrow.fs as pafs
 from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
-from kfed_spark.config import InputConfig, OutputConfig
+from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
 from kfed_spark.errors import InputError, KFedError
 
 log = logging.getLogger("kfed_spark")
 
 TABLES = ("labels", "centers", "local_centers", "quarantine", "runs")
+REPORTS = "reports"
+"""Folder under the output path holding one folder of report files per run."""
 CSV_DEFAULTS = {"header": "true", "inferSchema": "true"}
 LATEST_LABELS = (
     "SELECT * FROM {labels} WHERE run_id = "
@@ -39,6 +42,33 @@ def read_input(spark: SparkSession, inp: InputConfig) -> DataFrame:
         return spark.read.format(inp.format).options(**options).load(inp.path)
     except AnalysisException as exc:
         raise InputError(f"cannot read {where}: {first_line(exc)}") from None
+
+
+def read_side_table(spark: SparkSession, name: str) -> DataFrame:
+    """A small table named by a setting: a catalog table, or a Delta (else Parquet) folder."""
+    try:
+        if TABLE_NAME_PATTERN.match(name) and spark.catalog.tableExists(name):
+            return spark.read.table(name)
+        is_delta = os.path.isdir(os.path.join(name, "_delta_log")) or DeltaTable.isDeltaTable(spark, absolute(name))
+        return spark.read.format("delta" if is_delta else "parquet").load(absolute(name))
+    except AnalysisException as exc:
+        raise InputError(f"cannot read table {name}: {first_line(exc)}") from None
+
+
+def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://), and the path in it."""
+    return pafs.FileSystem.from_uri(path if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path) else "file://" + path)
+
+
+def report_of(output_path: str, run_id: str, name: str = "report.json") -> bytes:
+    """A file of a run's report, read without Spark."""
+    root = absolute(str(output_path)).rstrip("/")
+    filesystem, path = _filesystem(f"{root}/{REPORTS}/{run_id}/{name}")
+    try:
+        with filesystem.open_input_stream(path) as stream:
+            return stream.read()
+    except FileNotFoundError:
+        raise KFedError(f"no report of run {run_id!r} under {root}/{REPORTS}") from None
 
 
 def first_line(exc: Exception) -> str:
@@ -72,6 +102,7 @@ class OutputTables:
         self.root = absolute(str(output.path)).rstrip("/")
         self.database = output.database
         self._version_before_run: dict[str, int | None] = {}
+        self._report_started = False
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -127,11 +158,15 @@ class OutputTables:
         Delta commits one table at a time; this makes a failed run leave no partial rows: each
         table it wrote gets its previous slice of this run id back (read by time travel, or
         nothing if the run id is new) in one more replaceWhere commit. Other runs' rows, even
-        those committed meanwhile by other writers, are not touched.
+        those committed meanwhile by other writers, are not touched. A report the run had begun
+        to write is deleted.
         """
         try:
             yield
         except BaseException:
+            if self._report_started:
+                filesystem, folder = _filesystem(self.report_dir(run_id))
+                filesystem.delete_dir(folder)
             for name, version in self._version_before_run.items():
                 path = self.path(name)
                 current = self.read(name)
@@ -144,6 +179,19 @@ class OutputTables:
                 )
                 log.warning("run %s failed: restored its slice of %s", run_id, path)
             raise
+
+    def report_dir(self, run_id: str) -> str:
+        return f"{self.root}/{REPORTS}/{run_id}"
+
+    def write_report(self, run_id: str, files: dict[str, bytes]) -> None:
+        """The run's report files under <root>/reports/<run_id>/ (any filesystem pyarrow knows)."""
+        filesystem, folder = _filesystem(self.report_dir(run_id))
+        self._report_started = True
+        filesystem.create_dir(folder, recursive=True)
+        for name, data in files.items():
+            with filesystem.open_output_stream(f"{folder}/{name}") as out:
+                out.write(data)
+        log.info("wrote the report of run %s to %s", run_id, self.report_dir(run_id))
 
     def replace_runs(self, frames: dict[str, DataFrame], run_id: str) -> None:
         """replace_run for several small tables at once: each commit is mostly fixed Delta overhead."""

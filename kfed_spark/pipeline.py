@@ -38,20 +38,23 @@ from kfed_spark.batches import (
     SQ_DIST_COL,
     LabelModel,
     LocalStepSpec,
+    feature_matrix,
     label_batches,
     label_moments,
     local_centers_from_batches,
 )
+from kfed_spark import report
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import InputError, KFedError
-from kfed_spark.io import TABLES, OutputTables, read_input
+from kfed_spark.io import TABLES, OutputTables, absolute, read_input, read_side_table
 from kfed_spark.kernels import ServerClustering, nearest_center, server_step
-from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
+from kfed_spark.metrics import ari_of, contingency, within_cluster_cost
 
 log = logging.getLogger("kfed_spark")
 
 FEATURES_COL = "__kfed_features"
 REASON_COL = "__kfed_reason"
+DEVICE_K_COL = "__kfed_k"
 ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id")
 RUN_ID_FIELD = StructField("run_id", StringType(), False)
 LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
@@ -66,8 +69,9 @@ RUNS_SCHEMA = StructType(
         StructField("finished_at", TimestampType(), False),
         StructField("input", StringType(), False),
         StructField("k", IntegerType(), False),
-        StructField("k_per_device", IntegerType(), False),
+        StructField("k_per_device", StringType(), False),
         StructField("seed", LongType(), False),
+        StructField("seeding", StringType(), False),
         StructField("server_refine", StringType(), False),
         StructField("label_mode", StringType(), False),
         StructField("dim", IntegerType(), False),
@@ -171,7 +175,8 @@ def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None) -> Clu
     with timer.stage("server_step"):
         try:
             server = server_step(
-                local.centers, local.counts, local.devices, local.ids, cfg.k, cfg.server_refine, tol=cfg.tol
+                local.centers, local.counts, local.devices, local.ids, cfg.k, cfg.server_refine, tol=cfg.tol,
+                seeding=cfg.seeding, robust_min_size=cfg.robust_min_size, seed=cfg.seed,
             )
         except ValueError as exc:
             raise KFedError(str(exc)) from None
@@ -287,10 +292,11 @@ def write_run(
         raise KFedError(
             f"row accounting failed: {n_input} input rows but {n_labelled} labelled + {n_quarantined} quarantined"
         )
-    ari = truth_cost = None
+    ari = truth_cost = cells = None
     if cfg.input.truth_col:
         with timer.stage("evaluate"):
-            ari = truth_ari(tables.read("labels").filter(F.col("run_id") == run_id), cfg.input.truth_col)
+            cells = truth_contingency(tables.read("labels").filter(F.col("run_id") == run_id), cfg.input.truth_col)
+            ari = ari_of(cells)
             truth_cost = planted_cost(clustering.valid, cfg.input.truth_col, dim)
 
     result = RunResult(
@@ -308,7 +314,11 @@ def write_run(
         output_path=tables.root,
         timings=timer.seconds,
     )
-    tables.replace_run("runs", runs_frame(spark, cfg, result, started_at), run_id)
+    summary = run_summary(cfg, result, started_at)
+    tables.replace_run("runs", spark.createDataFrame([summary], RUNS_SCHEMA), run_id)
+    if cfg.report:
+        with timer.stage("report"):
+            tables.write_report(run_id, run_report(summary, cfg, clustering, cells))
     tables.register()
     log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, n_labelled, n_quarantined, cost)
     return result
@@ -328,7 +338,7 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
             f"  columns: {', '.join(f'{f.name} {f.dataType.simpleString()}' for f in raw.schema.fields)}",
             f"  device column: {cfg.input.device_col}; features: {features} (dimension {dim})",
             f"k-FED: k = {cfg.k}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
-            f"server_refine = {cfg.server_refine}, label_mode = {cfg.label_mode}, "
+            f"seeding = {cfg.seeding}, server_refine = {cfg.server_refine}, label_mode = {cfg.label_mode}, "
             f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
             f"run id: {cfg.run_id or '(from the start time)'}",
             f"output: {tables.root}/{{{','.join(TABLES)}}}"
@@ -443,14 +453,16 @@ class LocalCenters:
 
 def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
     """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
+    fixed = not isinstance(cfg.k_per_device, str)
     spec = LocalStepSpec(
-        cfg.k_per_device,
+        cfg.k_per_device if fixed else min(cfg.k, cfg.k_per_device_max),
         cfg.seed,
         cfg.max_iter,
         cfg.tol,
         dim,
         to_arrow_type(device_type),
         cfg.max_rows_per_device,
+        k_source="fixed" if fixed else "auto" if cfg.k_per_device == "auto" else "column",
         fail_first_attempt=cfg.inject_failure == "local_step_first_attempt",
     )
     schema = StructType(
@@ -462,8 +474,7 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
             StructField("sse", DoubleType(), False),
         ]
     )
-    device = F.col(cfg.input.device_col).alias("device_id")
-    rows = valid.select(device, F.col(FEATURES_COL))
+    rows = local_step_rows(valid, cfg)
     partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
     # Within a device, rows come in the order of a seeded hash of their values, so a device over
     # max_rows_per_device is clustered on the same sample whatever the partitioning or row order.
@@ -471,6 +482,37 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
     shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id", sample_order)
     table = shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema).toArrow()
     return LocalCenters.from_arrow(table, dim)
+
+
+def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:
+    """(device_id, features) of the valid rows, plus each row's device's k_z when k_per_device
+    names a column of the input or a side table (device column + `k`), checked to be in [1, k]."""
+    device_col = cfg.input.device_col
+    rows = valid.select(F.col(device_col), F.col(FEATURES_COL))
+    source = cfg.k_per_device
+    if isinstance(source, str) and source != "auto":
+        if source in valid.columns:
+            rows = valid.select(device_col, FEATURES_COL, F.col(source).alias(DEVICE_K_COL))
+        else:
+            side = read_side_table(valid.sparkSession, source)
+            if device_col not in side.columns or "k" not in side.columns:
+                raise InputError(
+                    f"k_per_device {source!r} is neither a column of the input nor a table with columns "
+                    f"{device_col!r} and 'k' (its columns: {', '.join(side.columns)})"
+                )
+            side = side.select(device_col, F.col("k").alias(DEVICE_K_COL))
+            rows = rows.join(F.broadcast(side), device_col, "left")
+        if not isinstance(rows.schema[DEVICE_K_COL].dataType, NumericType):
+            raise InputError(f"k_per_device column {source!r} is not numeric")
+        k_z = F.col(DEVICE_K_COL)
+        bad = rows.filter(k_z.isNull() | (k_z < 1) | (k_z > cfg.k) | (k_z != F.floor(k_z))).first()
+        if bad is not None:
+            raise InputError(
+                f"k_per_device from {source!r} must be a whole number in [1, k = {cfg.k}] for every device; "
+                f"device {bad[device_col]!r} has {bad[DEVICE_K_COL]!r}"
+            )
+        rows = rows.withColumn(DEVICE_K_COL, k_z.cast("int"))
+    return rows.withColumnRenamed(device_col, "device_id")
 
 
 def labelled_fields(raw_schema: StructType) -> list[StructField]:
@@ -511,10 +553,37 @@ def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCen
     return spark.createDataFrame(rows, schema)
 
 
-def truth_ari(labels: DataFrame, truth_col: str) -> float:
-    """ARI of cluster_id against a ground-truth column, from a contingency table built in Spark."""
+def truth_contingency(labels: DataFrame, truth_col: str) -> np.ndarray:
+    """(classes, clusters) counts of cluster_id against a ground-truth column, aggregated in Spark."""
     table = labels.groupBy(truth_col, "cluster_id").count().toPandas()
-    return adjusted_rand_index(table[truth_col].to_numpy(), table["cluster_id"].to_numpy(), table["count"].to_numpy())
+    return contingency(table[truth_col].to_numpy(), table["cluster_id"].to_numpy(), table["count"].to_numpy())
+
+
+def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, cells: np.ndarray | None) -> dict[str, bytes]:
+    """report.json and report.html of a run, from what the driver holds plus a seeded row sample."""
+    device_col = cfg.input.device_col
+    sample = (
+        clustering.valid.select(device_col, FEATURES_COL)
+        .orderBy(F.xxhash64(F.lit(cfg.seed), FEATURES_COL))
+        .limit(report.SILHOUETTE_SAMPLE_ROWS)
+        .toArrow()
+    )
+    x = feature_matrix(sample.column(FEATURES_COL), clustering.dim)
+    finite = np.isfinite(x).all(axis=1)
+    devices = sample.column(device_col).to_numpy(zero_copy_only=False)[finite]
+    _, sample_labels, _ = clustering.model.label(devices, x[finite])
+    local, server = clustering.local, clustering.server
+    facts = report.RunFacts(
+        summary={**summary, "truth_col": cfg.input.truth_col, "output": absolute(str(cfg.output.path))},
+        local_devices=local.devices, local_centers=local.centers, local_counts=local.counts,
+        assignment=server.assignment, global_centers=server.centers,
+        sample_x=x[finite], sample_labels=sample_labels, truth_cells=cells,
+    )
+    content = report.build(facts)
+    return {
+        "report.json": report.to_json(content).encode(),
+        "report.html": report.render_html(content, report.figures(content, facts)).encode(),
+    }
 
 
 def planted_cost(valid: DataFrame, truth_col: str, dim: int) -> float:
@@ -535,9 +604,10 @@ def planted_cost(valid: DataFrame, truth_col: str, dim: int) -> float:
     return within_cluster_cost(counts, sums, squared_norms)
 
 
-def runs_frame(spark, cfg: KFedConfig, result: RunResult, started_at: datetime) -> DataFrame:
+def run_summary(cfg: KFedConfig, result: RunResult, started_at: datetime) -> dict:
+    """The run's row of the runs table (and the head of its report)."""
     inp = cfg.input
-    row = {
+    return {
         "run_id": result.run_id,
         "parent_run_id": result.parent_run_id,
         "status": "succeeded",
@@ -545,8 +615,9 @@ def runs_frame(spark, cfg: KFedConfig, result: RunResult, started_at: datetime) 
         "finished_at": datetime.now(timezone.utc),
         "input": inp.table or f"{inp.format}:{inp.path}",
         "k": cfg.k,
-        "k_per_device": cfg.k_per_device,
+        "k_per_device": str(cfg.k_per_device),
         "seed": cfg.seed,
+        "seeding": cfg.seeding,
         "server_refine": cfg.server_refine,
         "label_mode": cfg.label_mode,
         "dim": result.dim,
@@ -562,4 +633,3 @@ def runs_frame(spark, cfg: KFedConfig, result: RunResult, started_at: datetime) 
         "config": json.dumps(as_dict(cfg), sort_keys=True),
         "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},
     }
-    return spark.createDataFrame([row], RUNS_SCHEMA)

@@ -1,0 +1,203 @@
+"""The run report: figures a person looks at, as report.json, a self-contained report.html and text.
+
+Everything here works on numpy arrays and dicts already on the driver; the pipeline gathers them.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from kfed_spark.metrics import ari_of, matched_accuracy_of, nmi_of, silhouette
+
+SILHOUETTE_SAMPLE_ROWS = 2000
+"""Rows (a seeded sample) the silhouette is computed on: it needs all their pairwise distances."""
+
+PLOTTED_LOCAL_CENTERS = 5000
+"""At most this many local centers are drawn in the projection (an even subsample beyond)."""
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a finished run knows, in numpy arrays: the inputs of its report."""
+
+    summary: dict  # counts, settings, cost, timings: the run's row of the runs table
+    local_devices: np.ndarray  # (m,) device of each local center
+    local_centers: np.ndarray  # (m, d)
+    local_counts: np.ndarray  # (m,)
+    assignment: np.ndarray  # (m,) global cluster of each local center
+    global_centers: np.ndarray  # (k, d)
+    sample_x: np.ndarray  # (s, d) sampled rows
+    sample_labels: np.ndarray  # (s,) their global clusters
+    truth_cells: np.ndarray | None  # (classes, clusters) contingency table, if a truth column is set
+
+
+def build(facts: RunFacts) -> dict:
+    """The report as plain data (what report.json holds)."""
+    k = len(facts.global_centers)
+    sizes = np.bincount(facts.assignment, weights=facts.local_counts, minlength=k).astype(np.int64)
+    _, centers_per_device = np.unique(facts.local_devices, return_counts=True)
+    clusters_per_device = _distinct_per_device(facts.local_devices, facts.assignment)
+    report = {
+        **facts.summary,
+        "cluster_sizes": sizes.tolist(),
+        "k_z": _distribution(centers_per_device),
+        "clusters_per_device": _distribution(clusters_per_device),
+        "silhouette": {
+            "value": silhouette(facts.sample_x, facts.sample_labels) if len(facts.sample_x) > 1 else None,
+            "sample_rows": int(len(facts.sample_x)),
+        },
+        "truth": None,
+    }
+    if facts.truth_cells is not None:
+        cells = facts.truth_cells
+        report["truth"] = {
+            "column": facts.summary.get("truth_col"),
+            "classes": int(cells.shape[0]),
+            "ari": ari_of(cells),
+            "nmi": nmi_of(cells),
+            "accuracy": matched_accuracy_of(cells),
+        }
+    return report
+
+
+def _distinct_per_device(devices: np.ndarray, clusters: np.ndarray) -> np.ndarray:
+    _, slot = np.unique(devices, return_inverse=True)
+    pairs = np.unique(np.stack([slot, clusters]), axis=1)
+    return np.bincount(pairs[0])
+
+
+def _distribution(values: np.ndarray) -> dict:
+    keys, counts = np.unique(values, return_counts=True)
+    return {
+        "devices_by_value": {str(int(key)): int(count) for key, count in zip(keys, counts)},
+        "mean": float(np.mean(values)),
+        "min": int(np.min(values)),
+        "max": int(np.max(values)),
+    }
+
+
+def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
+    """PNG images: cluster sizes, 2-D projection of the centers, k_z histogram, clusters per device."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    images = {}
+    k = len(facts.global_centers)
+    colors = plt.get_cmap("turbo")(np.linspace(0, 1, max(k, 2)))
+
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ax.bar(np.arange(k), report["cluster_sizes"], color=colors[:k], width=0.9)
+    ax.set(xlabel="global cluster", ylabel="rows", title="Cluster sizes")
+    images["cluster_sizes"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    local_2d, global_2d = _projection(facts.local_centers, facts.local_counts, facts.global_centers)
+    shown = np.linspace(0, len(local_2d) - 1, min(len(local_2d), PLOTTED_LOCAL_CENTERS)).astype(int)
+    ax.scatter(local_2d[shown, 0], local_2d[shown, 1], s=8, alpha=0.5, c=colors[facts.assignment[shown]],
+               label="local centers")
+    ax.scatter(global_2d[:, 0], global_2d[:, 1], s=90, marker="X", c=colors[:k], edgecolors="black",
+               linewidths=0.8, label="global centers")
+    ax.set(xlabel="principal direction 1", ylabel="principal direction 2",
+           title="Local and global centers (2-D projection), coloured by global cluster")
+    ax.legend(loc="best", fontsize=8)
+    images["projection"] = _png(fig)
+
+    for name, key, label in (
+        ("k_z", "k_z", "local centers on the device (k_z)"),
+        ("clusters_per_device", "clusters_per_device", "distinct global clusters on the device"),
+    ):
+        values = report[key]["devices_by_value"]
+        positions = [int(v) for v in values]
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.bar(positions, list(values.values()), color="#3b6ea8", width=0.8)
+        ax.set(xlabel=label, ylabel="devices", title=f"Devices by {label}",
+               xlim=(min(positions) - 1, max(positions) + 1))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        images[name] = _png(fig)
+    plt.close("all")
+    return images
+
+
+def _projection(local: np.ndarray, counts: np.ndarray, global_centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both center sets projected on the top two count-weighted principal directions of the local centers."""
+    mean = np.average(local, axis=0, weights=counts)
+    weighted = (local - mean) * np.sqrt(counts / counts.sum())[:, None]
+    directions = np.linalg.svd(weighted, full_matrices=False)[2][:2]
+    if len(directions) < 2:  # one feature: plot it against zero
+        directions = np.vstack([directions, np.zeros_like(directions)])
+    return (local - mean) @ directions.T, (global_centers - mean) @ directions.T
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=90)
+    return buffer.getvalue()
+
+
+def render_html(report: dict, images: dict[str, bytes]) -> str:
+    """One self-contained page: the summary table and the figures inline as data URIs."""
+    rows = "".join(f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td></tr>" for name, value in _lines(report))
+    pictures = "".join(
+        f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
+        f"<figcaption>{html.escape(name.replace('_', ' '))}</figcaption></figure>"
+        for name, data in images.items()
+    )
+    title = html.escape(f"k-FED run {report['run_id']}")
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{title}</title><style>"
+        "body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
+        "th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left}figure{display:inline-block;margin:1em}"
+        f"</style></head><body><h1>{title}</h1><table>{rows}</table>{pictures}</body></html>\n"
+    )
+
+
+def _lines(report: dict) -> list[tuple[str, str]]:
+    """(name, value) pairs of the summary, in reading order: what the HTML table and the terminal show."""
+    lines = [
+        ("run", f"{report['run_id']} ({report['status']})"),
+        ("input", str(report["input"])),
+        ("rows", f"{report['n_input']} in, {report['n_labelled']} labelled, {report['n_quarantined']} quarantined"),
+        ("devices", f"{report['n_devices']} devices, {report['n_local_centers']} local centers"),
+        ("settings", f"k = {report['k']}, k_per_device = {report['k_per_device']}, seeding = {report['seeding']}, "
+                     f"server_refine = {report['server_refine']}, label_mode = {report['label_mode']}, "
+                     f"seed = {report['seed']}, d = {report['dim']}"),
+        ("k-means cost", f"{report['cost']:.6g} ({report['cost'] / max(report['n_labelled'], 1):.4g} per row)"),
+        ("k_z per device", _describe(report["k_z"])),
+        ("global clusters per device", _describe(report["clusters_per_device"])),
+        ("cluster sizes", f"min {min(report['cluster_sizes'])}, max {max(report['cluster_sizes'])}, "
+                          f"empty {sum(1 for size in report['cluster_sizes'] if size == 0)}"),
+    ]
+    sil = report["silhouette"]
+    if sil["value"] is not None:
+        lines.append(("silhouette", f"{sil['value']:.4f} (on {sil['sample_rows']} sampled rows)"))
+    truth = report["truth"]
+    if truth:
+        lines.append((f"against {truth['column']} ({truth['classes']} classes)",
+                      f"ARI {truth['ari']:.4f}, NMI {truth['nmi']:.4f}, accuracy {truth['accuracy']:.4f} "
+                      "(Hungarian matching)"))
+    return lines
+
+
+def _describe(distribution: dict) -> str:
+    values = ", ".join(f"{value}: {count}" for value, count in distribution["devices_by_value"].items())
+    return f"mean {distribution['mean']:.2f}, min {distribution['min']}, max {distribution['max']} (value: devices = {values})"
+
+
+def terminal_text(report: dict) -> str:
+    width = max(len(name) for name, _ in _lines(report))
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in _lines(report))
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(report, indent=2, sort_keys=True, default=str)

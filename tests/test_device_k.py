@@ -1,0 +1,70 @@
+"""Per-device k: a fixed number, a column, a side table, or each device's own estimate."""
+
+import pytest
+from pyspark.sql import functions as F
+
+from kfed_spark.cli import main
+from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.synthetic import write_mixture
+
+VARIED = dict(k=12, k_per_device=(1, 5), devices=40, points_per_device=150, dim=16, seed=5)
+
+
+@pytest.fixture(scope="module")
+def varied_path(tmp_path_factory):
+    """Devices holding 1 to 5 of 12 clusters; clusters_held says how many."""
+    path = tmp_path_factory.mktemp("varied")
+    write_mixture(path, **VARIED)
+    return str(path)
+
+
+def run_varied(varied_path, out, k_per_device, *extra):
+    config = out.parent / "varied.yaml"
+    config.write_text(f"input: {{path: {varied_path}, truth_col: true_cluster}}\noutput: {{path: {out}}}\n"
+                      f"k: {VARIED['k']}\nrun_id: varied\n")
+    settings = [f"k_per_device={k_per_device}", *extra]
+    return main(["run", "--config", str(config), *[arg for item in settings for arg in ("--set", item)]])
+
+
+def local_counts_and_ari(spark, out):
+    local = spark.read.format("delta").load(f"{out}/local_centers").groupBy("device_id").count()
+    labels = spark.read.format("delta").load(f"{out}/labels")
+    held = labels.select("device_id", "clusters_held").distinct()
+    found = {row.device_id: (row["count"], row.clusters_held) for row in local.join(held, "device_id").collect()}
+    cells = labels.groupBy("true_cluster", "cluster_id").count().toPandas()
+    return found, adjusted_rand_index(cells.true_cluster, cells.cluster_id, cells["count"])
+
+
+def test_auto_estimates_how_many_clusters_each_device_holds(spark, varied_path, tmp_path):
+    assert run_varied(varied_path, tmp_path / "out", "auto", "k_per_device_max=8") == 0
+    found, ari = local_counts_and_ari(spark, tmp_path / "out")
+    assert len(found) == VARIED["devices"]
+    assert all(estimated == held for estimated, held in found.values()), found
+    assert ari >= 0.95
+
+
+def test_a_column_of_the_input_gives_each_devices_k(spark, varied_path, tmp_path):
+    assert run_varied(varied_path, tmp_path / "out", "clusters_held") == 0
+    found, ari = local_counts_and_ari(spark, tmp_path / "out")
+    assert all(used == held for used, held in found.values()), found
+    assert ari >= 0.95
+
+
+def test_a_side_table_gives_each_devices_k(spark, varied_path, tmp_path):
+    side = str(tmp_path / "device_k")
+    (spark.read.parquet(varied_path).groupBy("device_id").agg(F.max("clusters_held").alias("k"))
+     .write.format("delta").save(side))
+    assert run_varied(varied_path, tmp_path / "out", side) == 0
+    found, _ = local_counts_and_ari(spark, tmp_path / "out")
+    assert all(used == held for used, held in found.values()), found
+
+
+def test_per_device_k_out_of_range_or_missing_is_a_one_line_error(spark, varied_path, tmp_path, capsys):
+    side = str(tmp_path / "too_big")
+    spark.createDataFrame([(0, 13)], "device_id long, k int").write.format("delta").save(side)
+    assert run_varied(varied_path, tmp_path / "out", side) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "must be a whole number in [1, k = 12] for every device" in err
+    assert run_varied(varied_path, tmp_path / "out", "no_such_thing") == 2
+    assert "cannot read table no_such_thing" in capsys.readouterr().err

@@ -1,0 +1,108 @@
+"""The run report (report.json, report.html, `kfed-spark report`) and real datasets prepared as input."""
+
+import base64
+import json
+import re
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from kfed_spark.cli import main
+from kfed_spark.datasets import default_data_dir, hashed_ngram_tfidf, load
+
+from conftest import MIXTURE
+
+
+class PageParser(HTMLParser):
+    """Collects the tags of a page and fails on tags closed out of order."""
+
+    def __init__(self):
+        super().__init__()
+        self.open, self.images, self.cells = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in ("meta", "img"):
+            self.open.append(tag)
+        if tag == "img":
+            self.images.append(dict(attrs))
+
+    def handle_endtag(self, tag):
+        assert self.open.pop() == tag
+
+    def handle_data(self, data):
+        self.cells.append(data)
+
+
+def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, config, tmp_path, capsys):
+    assert main(["run", "--config", str(config)]) == 0
+    out = tmp_path / "out"
+    report = json.loads((out / "reports" / "first" / "report.json").read_text())
+    run = spark.read.format("delta").load(str(out / "runs")).first()
+    n_rows = MIXTURE["devices"] * MIXTURE["points_per_device"]
+    assert (report["n_input"], report["n_labelled"], report["n_devices"]) == (n_rows, n_rows, MIXTURE["devices"])
+    assert sum(report["cluster_sizes"]) == n_rows and len(report["cluster_sizes"]) == MIXTURE["k"]
+    assert report["truth"]["ari"] == pytest.approx(run.ari)
+    assert report["truth"]["nmi"] >= 0.95 and report["truth"]["accuracy"] >= 0.95
+    assert report["k_z"]["max"] <= MIXTURE["k_per_device"]
+    assert sum(report["k_z"]["devices_by_value"].values()) == MIXTURE["devices"]
+    assert 0.3 < report["silhouette"]["value"] <= 1.0  # separated blobs
+    labels = spark.read.format("delta").load(str(out / "labels"))
+    sizes = labels.groupBy("cluster_id").count().orderBy("cluster_id").toPandas()["count"].tolist()
+    assert report["cluster_sizes"] == sizes
+
+    page = (out / "reports" / "first" / "report.html").read_text()
+    parser = PageParser()
+    parser.feed(page)
+    parser.close()
+    assert parser.open == []
+    assert [image["alt"] for image in parser.images] == ["cluster_sizes", "projection", "k_z", "clusters_per_device"]
+    for image in parser.images:
+        data = base64.b64decode(image["src"].removeprefix("data:image/png;base64,"))
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert any(re.search(r"ARI 0\.9\d+|ARI 1\.0000", cell) for cell in parser.cells)
+
+    capsys.readouterr()
+    assert main(["report", "first", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"{n_rows} in, {n_rows} labelled, 0 quarantined" in text and "NMI" in text
+    assert main(["report", "missing", "--output", str(out)]) == 2
+    assert "no report of run 'missing'" in capsys.readouterr().err
+
+
+def test_report_can_be_turned_off(config, tmp_path):
+    assert main(["run", "--config", str(config), "--set", "report=false"]) == 0
+    assert not (tmp_path / "out" / "reports").exists()
+
+
+def test_a_run_that_fails_leaves_no_report(config, tmp_path):
+    assert main(["run", "--config", str(config), "--set", "inject_failure=after_labels"]) == 2
+    assert not (tmp_path / "out" / "reports" / "first").exists()
+
+
+def test_real_datasets_load_as_device_tables():
+    assert default_data_dir().is_dir(), f"the shared datasets are expected at {default_data_dir()}"
+    mnist = load("mnist", max_devices=8)
+    rotation = mnist.column("rotation").to_numpy()
+    devices = mnist.column("device_id").to_numpy()
+    assert len(np.unique(devices)) == 8 and len(mnist.column("features")[0]) == 784
+    for device in np.unique(devices):
+        assert len(np.unique(rotation[devices == device])) == 1  # one rotation per device
+    assert np.array_equal(mnist.column("true_cluster").to_numpy(),
+                          10 * rotation + mnist.column("digit").to_numpy())
+    femnist = load("femnist", max_devices=3)
+    pixels = np.asarray(femnist.column("features")[0].as_py())
+    assert len(set(femnist.column("device_id").to_pylist())) == 3
+    assert len(pixels) == 784 and pixels.min() >= 0.0 and np.median(pixels) == 0.0  # ink = 1 on 0
+    shakespeare = load("shakespeare", max_devices=12)
+    assert len(set(shakespeare.column("device_id").to_pylist())) == 12
+    assert len(shakespeare.column("features")[0]) == 32
+    assert load("mnist", max_devices=8).equals(mnist)  # seeded
+
+
+def test_hashed_ngram_tfidf_rows_are_unit_length_and_stable():
+    x = hashed_ngram_tfidf(["To be or not to be", "to be or not TO BE", "Now is the winter"], buckets=64)
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0)
+    np.testing.assert_allclose(x[0], x[1])  # case does not matter
+    assert not np.allclose(x[0], x[2])
+    np.testing.assert_array_equal(x, hashed_ngram_tfidf(["To be or not to be", "to be or not TO BE", "Now is the winter"], buckets=64))
