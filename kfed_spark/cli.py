@@ -141,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
     bench.set_defaults(handler=command_bench)
 
+    quality = commands.add_parser(
+        "bench-quality",
+        help="ARI, NMI and cost of k-FED variants, MLlib and scikit-learn on the real datasets and a mixture",
+    )
+    quality.add_argument("--datasets", default="femnist,mnist,shakespeare,mixture,mixture-iid,mixture-outliers",
+                         help="comma-separated names (default: all of femnist, mnist, shakespeare, mixture, "
+                         "mixture-iid, mixture-outliers)")
+    quality.add_argument("--out", default="kfed-quality", help="folder for quality.json and quality.md")
+    quality.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
+    quality.add_argument("--max-devices", type=int, help="use only this many devices of each real dataset")
+    quality.add_argument("--seed", type=int, default=0, help="seed of every method (default 0)")
+    quality.set_defaults(handler=command_bench_quality)
+
     server = commands.add_parser("bench-server", help="time the server step (alg. 2) alone on many local centers")
     server.add_argument("--devices", type=int, default=200_000, help="devices (default 200000)")
     server.add_argument("--per-device", type=int, default=5, help="local centers per device (default 5)")
@@ -191,6 +204,24 @@ def command_bench(args: argparse.Namespace) -> int:
     write_report(report, out)
     print(report.markdown())
     print(f"report: {out / 'benchmark.md'} and {out / 'benchmark.json'}")
+    return 0
+
+
+def command_bench_quality(args: argparse.Namespace) -> int:
+    from kfed_spark.config import SparkConfig
+    from kfed_spark.quality import PROBLEMS, bench_quality, markdown
+    from kfed_spark.session import build_session
+
+    names = [name.strip() for name in args.datasets.split(",") if name.strip()]
+    if not names or set(names) - set(PROBLEMS):
+        raise KFedError(f"--datasets takes names from {', '.join(PROBLEMS)}, got {args.datasets!r}")
+    conf = {**QUIET_LOCAL_SPARK, "spark.ui.showConsoleProgress": "false"}
+    spark = build_session(SparkConfig(master="local[2]", app_name="kfed-spark-quality", conf=conf))
+    command = "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-quality"] else "kfed-spark bench-quality"
+    out = Path(args.out).resolve()
+    rows = bench_quality(spark, names, out, args.data_dir, args.max_devices, args.seed, command)
+    print(markdown(rows, command))
+    print(f"report: {out / 'quality.md'} and {out / 'quality.json'}")
     return 0
 
 

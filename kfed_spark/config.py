@@ -58,7 +58,7 @@ class KFedConfig:
     """With k_per_device 'auto': the largest k_z a device may estimate (capped at k)."""
     seed: int = 0
     run_id: str | None = None
-    seeding: str = "farthest"
+    seeding: str = "robust"
     robust_min_size: float = 0.25
     server_refine: str = "lloyd"
     label_mode: str = "induced"

@@ -74,7 +74,7 @@ class _KFedParams(HasFeaturesCol, HasPredictionCol, HasSeed, HasMaxIter, HasTol)
         self._setDefault(
             k=2, kPerDevice=2, deviceCol="device_id", featuresCol="features", predictionCol="prediction",
             localPredictionCol="local_prediction", serverRefine="lloyd", labelMode="induced", maxIter=100,
-            tol=1e-8, maxRowsPerDevice=100_000, seed=0, seeding="farthest",
+            tol=1e-8, maxRowsPerDevice=100_000, seed=0, seeding="robust",
         )
 
     def getK(self) -> int:
@@ -127,7 +127,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         self, *, k: int = 2, kPerDevice: int | str = 2, deviceCol: str = "device_id", featuresCol: str = "features",
         predictionCol: str = "prediction", localPredictionCol: str = "local_prediction", seed: int = 0,
         serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = 100, tol: float = 1e-8,
-        maxRowsPerDevice: int = 100_000, seeding: str = "farthest",
+        maxRowsPerDevice: int = 100_000, seeding: str = "robust",
     ):
         super().__init__()
         self._set(**self._input_kwargs)
@@ -137,7 +137,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         self, *, k: int = 2, kPerDevice: int | str = 2, deviceCol: str = "device_id", featuresCol: str = "features",
         predictionCol: str = "prediction", localPredictionCol: str = "local_prediction", seed: int = 0,
         serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = 100, tol: float = 1e-8,
-        maxRowsPerDevice: int = 100_000, seeding: str = "farthest",
+        maxRowsPerDevice: int = 100_000, seeding: str = "robust",
     ) -> "KFed":
         return self._set(**self._input_kwargs)
 

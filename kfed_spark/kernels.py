@@ -277,7 +277,7 @@ def server_step(
     refine: str = "lloyd",
     max_iter: int = 300,
     tol: float = 0.0,
-    seeding: str = "farthest",
+    seeding: str = "robust",
     robust_min_size: float = 0.25,
     seed: int = 0,
 ) -> ServerClustering:
@@ -426,7 +426,7 @@ def federated_kmeans(
     label_mode: str = "induced",
     max_iter: int = 100,
     tol: float = 1e-8,
-    seeding: str = "farthest",
+    seeding: str = "robust",
     robust_min_size: float = 0.25,
     k_per_device_max: int = 16,
 ) -> FederatedClustering:

@@ -86,6 +86,19 @@ def test_save_load_and_pipeline_round_trip(spark, mixture_path, tmp_path):
     assert KFed.load(str(tmp_path / "estimator")).getK() == MIXTURE["k"]
 
 
+def test_auto_k_per_device_and_robust_seeding_through_the_estimator(spark, mixture_path, tmp_path):
+    rows = spark.read.parquet(mixture_path)
+    kfed = KFed(k=MIXTURE["k"], kPerDevice="auto", seeding="robust", seed=11)
+    model = kfed.fit(rows)
+    per_device = model.localCenters.groupBy("device_id").count().toPandas()["count"]
+    assert per_device.max() <= MIXTURE["k_per_device"]  # each device holds 3 clusters (fewer may show)
+    cells = model.transform(rows).groupBy("true_cluster", "prediction").count().toPandas()
+    assert adjusted_rand_index(cells.true_cluster, cells.prediction, cells["count"]) >= 0.95
+    kfed.write().overwrite().save(str(tmp_path / "estimator"))
+    loaded = KFed.load(str(tmp_path / "estimator"))
+    assert (loaded.getKPerDevice(), loaded.getSeeding()) == ("auto", "robust")
+
+
 def test_bad_rows_get_no_prediction_and_are_not_dropped(spark):
     rows = spark.createDataFrame(
         [(1, "a", [0.0]), (2, "a", [10.0]), (3, "b", [0.2]), (4, "b", [9.8]), (5, "b", [float("nan")])],

@@ -1,0 +1,190 @@
+"""Clustering quality side by side: k-FED variants, Spark MLlib KMeans and scikit-learn KMeans
+on the real datasets and on one synthetic mixture partitioned two ways.
+
+k-FED runs as federated_kmeans (the same kernels as the Spark job, which a test holds equal to
+it row for row); MLlib runs on Spark. Quality only: for speed see benchmark.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kfed_spark.batches import feature_matrix
+from kfed_spark.datasets import DATASETS, features_array, load
+from kfed_spark.kernels import device_rng, federated_kmeans
+from kfed_spark.metrics import ari_of, contingency, nmi_of
+from kfed_spark.synthetic import MEAN_SCALE, mixture
+
+SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
+OUTLIER_DEVICES = 10
+OUTLIER_ROWS = 3
+"""mixture-outliers adds this many devices of this many rows each, far from every cluster."""
+
+SYNTHETIC_PROBLEMS = ("mixture", "mixture-iid", "mixture-outliers")
+PROBLEMS = ("femnist", "mnist", "shakespeare", *SYNTHETIC_PROBLEMS)
+
+K_PER_DEVICE = {"femnist": 10, "mnist": 2, "shakespeare": 1, "mixture": 4, "mixture-iid": 16, "mixture-outliers": 4}
+"""The fixed k_z each dataset is clustered with: rotated MNIST devices hold 2 digits by
+construction, a Shakespeare role speaks in one play, a FEMNIST writer writes most classes
+(10 is a budget, not a truth), the IID partition puts every cluster on every device."""
+
+KFED_VARIANTS = [
+    ("robust", "lloyd", "induced"),
+    ("robust", "lloyd", "nearest"),
+    ("robust", "none", "induced"),
+    ("robust", "none", "nearest"),
+    ("farthest", "lloyd", "induced"),
+    ("kmeanspp", "lloyd", "induced"),
+]
+"""(seeding, server_refine, label_mode): the default seeding with every refinement and label
+mode, then the other two seedings."""
+
+
+@dataclass
+class QualityRow:
+    dataset: str
+    method: str
+    k: int
+    k_per_device: str
+    ari: float
+    nmi: float
+    cost: float
+    cost_ratio: float  # cost / scikit-learn's cost on the same rows
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str
+    x: np.ndarray
+    devices: np.ndarray
+    truth: np.ndarray
+    k: int
+
+
+def problems(names: list[str], data_dir: str | None, max_devices: int | None, seed: int) -> list[Problem]:
+    found = []
+    for name in names:
+        if name in SYNTHETIC_PROBLEMS:
+            table = mixture(**SYNTHETIC, seed=seed)
+            devices = table.column("device_id").to_numpy()
+            if name == "mixture-iid":  # the same rows dealt to devices at random
+                devices = devices[device_rng(seed, "iid").permutation(len(devices))]
+            if name == "mixture-outliers":
+                table, devices = with_outlier_devices(table, devices, seed)
+            k = SYNTHETIC["k"]
+        else:
+            table = load(name, data_dir, max_devices, seed)
+            devices = table.column("device_id").to_numpy(zero_copy_only=False)
+            k = DATASETS[name].k
+        x = feature_matrix(table.column("features"), len(table.column("features")[0]))
+        truth = table.column("true_cluster").to_numpy()
+        found.append(Problem(name, x, devices, truth, min(k, len(np.unique(truth)))))
+    return found
+
+
+def with_outlier_devices(table: pa.Table, devices: np.ndarray, seed: int) -> tuple[pa.Table, np.ndarray]:
+    """The mixture plus OUTLIER_DEVICES devices of OUTLIER_ROWS rows, each device at its own far
+    point (10 times the spread of the cluster means); each outlier device is its own true class."""
+    rng = device_rng(seed, "outliers")
+    dim, k = SYNTHETIC["dim"], SYNTHETIC["k"]
+    spots = rng.normal(0.0, 10 * MEAN_SCALE, size=(OUTLIER_DEVICES, dim))
+    x = np.repeat(spots, OUTLIER_ROWS, axis=0) + rng.standard_normal((OUTLIER_DEVICES * OUTLIER_ROWS, dim))
+    extra = pa.table({
+        "features": features_array(x),
+        "true_cluster": pa.array(np.repeat(np.arange(k, k + OUTLIER_DEVICES), OUTLIER_ROWS), pa.int32()),
+    })
+    joined = pa.concat_tables([table.select(["features", "true_cluster"]), extra])
+    new_devices = np.repeat(np.arange(OUTLIER_DEVICES), OUTLIER_ROWS) + devices.max() + 1
+    return joined, np.concatenate([devices, new_devices])
+
+
+def cost_of(x: np.ndarray, labels: np.ndarray) -> float:
+    """k-means cost of the clusters labels defines, around their own means."""
+    _, index = np.unique(labels, return_inverse=True)
+    sums = np.zeros((index.max() + 1, x.shape[1]))
+    np.add.at(sums, index, x)
+    sizes = np.bincount(index)
+    return float(np.einsum("ij,ij->", x, x) - np.sum(np.einsum("ij,ij->i", sums, sums) / sizes))
+
+
+def evaluate(spark, problem: Problem, seed: int, folder: Path) -> list[QualityRow]:
+    rows: list[QualityRow] = []
+
+    def add(method: str, k_per_device: str, labels: np.ndarray, seconds: float) -> None:
+        cells = contingency(problem.truth, labels)
+        rows.append(QualityRow(problem.name, method, problem.k, k_per_device, ari_of(cells), nmi_of(cells),
+                               cost_of(problem.x, labels), 0.0, round(seconds, 2)))
+
+    k_z = K_PER_DEVICE.get(problem.name, 2)
+    for seeding, refine, label_mode in KFED_VARIANTS:
+        start = time.perf_counter()
+        result = federated_kmeans(problem.x, problem.devices, problem.k, min(k_z, problem.k), seed, refine,
+                                  label_mode, seeding=seeding)
+        add(f"k-FED seeding={seeding} refine={refine} labels={label_mode}", str(k_z), result.labels,
+            time.perf_counter() - start)
+    start = time.perf_counter()
+    result = federated_kmeans(problem.x, problem.devices, problem.k, "auto", seed)
+    add("k-FED seeding=robust refine=lloyd labels=induced", "auto", result.labels, time.perf_counter() - start)
+    add("Spark MLlib KMeans (k-means||)", "-", *mllib_labels(spark, problem, seed, folder))
+    add("scikit-learn KMeans (k-means++)", "-", *sklearn_labels(problem, seed))
+    reference = rows[-1].cost
+    for row in rows:
+        row.cost_ratio = row.cost / reference if reference else float("nan")
+    return rows
+
+
+def mllib_labels(spark, problem: Problem, seed: int, folder: Path) -> tuple[np.ndarray, float]:
+    """MLlib's labels, read through a Parquet file (a DataFrame made from driver memory would
+    ship the rows inside its tasks)."""
+    from pyspark.ml.clustering import KMeans
+    from pyspark.ml.functions import array_to_vector
+
+    path = folder / f"{problem.name}.parquet"
+    pq.write_table(pa.table({"row": np.arange(len(problem.x)), "features": features_array(problem.x)}), path)
+    frame = spark.read.parquet(str(path)).withColumn("vector", array_to_vector("features")).cache()
+    start = time.perf_counter()
+    model = KMeans(k=problem.k, seed=seed, featuresCol="vector").fit(frame)
+    labels = model.transform(frame).select("row", "prediction").toPandas().sort_values("row").prediction.to_numpy()
+    seconds = time.perf_counter() - start
+    frame.unpersist()
+    return labels, seconds
+
+
+def sklearn_labels(problem: Problem, seed: int) -> tuple[np.ndarray, float]:
+    from sklearn.cluster import KMeans
+
+    start = time.perf_counter()
+    labels = KMeans(n_clusters=problem.k, random_state=seed, n_init=1).fit(problem.x).labels_
+    return labels, time.perf_counter() - start
+
+
+def markdown(rows: list[QualityRow], command: str) -> str:
+    lines = [
+        f"`{command}`; cost ratio = k-means cost / scikit-learn's on the same rows (lower is better)",
+        "",
+        "| dataset | method | k | k_z | ARI | NMI | cost ratio | seconds |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {r.dataset} | {r.method} | {r.k} | {r.k_per_device} | {r.ari:.3f} | {r.nmi:.3f} | {r.cost_ratio:.3f} | {r.seconds:.1f} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def bench_quality(spark, names: list[str], out: Path, data_dir: str | None, max_devices: int | None, seed: int,
+                  command: str) -> list[QualityRow]:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [row for problem in problems(names, data_dir, max_devices, seed)
+            for row in evaluate(spark, problem, seed, out)]
+    (out / "quality.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    (out / "quality.md").write_text(markdown(rows, command))
+    return rows
