@@ -84,9 +84,11 @@ def absolute(path: str) -> str:
 
 
 def _replace_slice(df: DataFrame, path: str, run_id: str, note: str) -> None:
-    """One atomic Delta commit that replaces the rows of run_id with df (which holds only that run)."""
+    """One atomic Delta commit that replaces the rows of run_id with df (which holds only that run);
+    it creates the table, partitioned by run_id, if there is none at path."""
     (
         df.write.format("delta")
+        .partitionBy("run_id")
         .mode("overwrite")
         .option("replaceWhere", f"run_id = '{run_id}'")
         .option("userMetadata", note)
@@ -136,13 +138,6 @@ class OutputTables:
         path = self.path(name)
         if name not in self._version_before_run:
             self._version_before_run[name] = self._version(name)
-        (
-            DeltaTable.createIfNotExists(self.spark)
-            .location(path)
-            .addColumns(df.schema)
-            .partitionedBy("run_id")
-            .execute()
-        )
         _replace_slice(df, path, run_id, f"kfed-spark run {run_id}")
         log.info("wrote %s for run %s", path, run_id)
 

@@ -25,12 +25,15 @@ def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     assert kfed.ari > 0.95 and kfed.cost_ratio < 1.05
     assert set(kfed.stages) >= {"validate", "local_step", "server_step", "labels", "other_tables"}
     assert all(e.seconds > 0 and e.rows_per_second > 0 for e in report.entries)
-    assert len(report.ratios) == 4
+    assert len(report.ratios) == 5
+    passes = report.spark_passes
+    assert all(seconds > 0 for seconds in passes.values()) and len(passes) == 4
 
     saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
     assert saved["rows"] == 1200 and len(saved["entries"]) == 5
     markdown = (tmp_path / "bench" / "benchmark.md").read_text()
     assert "| k-FED on Spark, end to end |" in markdown and "MLlib fit time / k-FED end-to-end time" in markdown
+    assert "| read -> Delta write |" in markdown
 
 
 def test_server_benchmark_times_both_refinements(capsys):
