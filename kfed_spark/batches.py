@@ -20,7 +20,9 @@ from kfed_spark.kernels import (
     nearest_center,
     nearest_device_center,
     plain,
+    row_hashes,
     scale_counts,
+    smallest_hashes,
     weighted_means,
 )
 
@@ -75,15 +77,15 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
 
     A device's rows may span several batches and a batch may hold several devices: rows are
     buffered until the device id changes. Rows with a null, NaN or infinite value are skipped.
-    A device is clustered on its first spec.max_rows rows
-    (the caller orders each device's rows by a seeded hash, so these are a deterministic sample);
-    the rest are only counted, and its centers report counts and SSE for all of its rows.
+    A device with more than spec.max_rows rows is clustered on a deterministic sample of that
+    many (_DeviceSample); the rest are only counted, and its centers report counts and SSE for
+    all of its rows.
     Yields (device, local_cluster_id, center, n_points, sse).
     """
     if spec.fail_first_attempt:
         _fail_if_first_attempt()
     out = _LocalCenterRows(spec.device_type)
-    device, device_k, kept, kept_rows, seen = None, spec.k, [], 0, 0
+    device, device_k, sample, seen = None, spec.k, _DeviceSample(spec), 0
     for batch in batches:
         devices = batch.column(0).to_numpy(zero_copy_only=False)
         x = feature_matrix(batch.column(1), spec.dim)
@@ -94,22 +96,50 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
             ks = ks[finite] if ks is not None else None
         for run_device, start, end in device_runs(devices):
             if seen and run_device != device:
-                out.add(device, _cluster(device, device_k, kept, seen, spec))
-                kept, kept_rows, seen = [], 0, 0
+                out.add(device, _cluster(device, device_k, sample.rows(), seen, spec))
+                sample, seen = _DeviceSample(spec), 0
             if not seen and ks is not None:
                 device_k = int(ks[start])
             device = run_device
-            take = min(end - start, spec.max_rows - kept_rows)
-            if take > 0:
-                kept.append(x[start : start + take])
-                kept_rows += take
+            sample.add(x[start:end])
             seen += end - start
         if len(out) >= LOCAL_OUTPUT_ROWS:
             yield out.flush()
     if seen:
-        out.add(device, _cluster(device, device_k, kept, seen, spec))
+        out.add(device, _cluster(device, device_k, sample.rows(), seen, spec))
     if len(out):
         yield out.flush()
+
+
+class _DeviceSample:
+    """A device's rows, or once there are more than spec.max_rows of them, the spec.max_rows rows
+    with the smallest seeded row hashes: the same sample whatever order the rows arrive in, held
+    in at most twice that many rows."""
+
+    def __init__(self, spec: LocalStepSpec):
+        self.limit, self.seed = spec.max_rows, spec.seed
+        self.parts: list[np.ndarray] = []
+        self.held = 0
+        self.hashes: np.ndarray | None = None  # set once the device outgrows the limit
+
+    def add(self, x: np.ndarray) -> None:
+        self.parts.append(x)
+        self.held += len(x)
+        if self.held > 2 * self.limit:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        x = np.concatenate(self.parts)
+        start = 0 if self.hashes is None else len(self.hashes)
+        hashes = row_hashes(x[start:], self.seed)
+        hashes = hashes if self.hashes is None else np.concatenate([self.hashes, hashes])
+        x, self.hashes = smallest_hashes(x, hashes, self.limit)
+        self.parts, self.held = [x], len(x)
+
+    def rows(self) -> np.ndarray:
+        if self.held > self.limit:
+            self._shrink()
+        return self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
 
 
 def _fail_if_first_attempt() -> None:
@@ -121,8 +151,7 @@ def _fail_if_first_attempt() -> None:
         raise RuntimeError(f"injected failure in the first attempt of local-step task {context.partitionId()}")
 
 
-def _cluster(device: object, k: int, parts: list[np.ndarray], seen: int, spec: LocalStepSpec) -> LocalClustering:
-    x = parts[0] if len(parts) == 1 else np.concatenate(parts)
+def _cluster(device: object, k: int, x: np.ndarray, seen: int, spec: LocalStepSpec) -> LocalClustering:
     if spec.k_source == "auto":
         k = estimate_local_k(x, spec.k)
     result = local_step(x, k, device_rng(spec.seed, device), spec.max_iter, spec.tol)
@@ -221,8 +250,10 @@ def label_batches(
     features_col: str,
     reason_col: str,
     dim: int,
+    keep_features_as: str | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """Label every row whose reason is null; drop the features column.
+    """Label every row whose reason is null; drop the features column, or keep it under the name
+    keep_features_as (when it is the input's own column, renamed so it crosses to Python once).
 
     Rows already carrying a reason pass through unlabelled. A row whose features hold a null,
     NaN or infinite value gets the reason NON_FINITE here, where numpy checks it for next to
@@ -240,7 +271,9 @@ def label_batches(
         local, cluster, sq_dist = model.label(devices, x[finite])
         unlabelled = np.ones(batch.num_rows, dtype=bool)
         unlabelled[rows] = False
-        keep = [name for name in batch.schema.names if name not in (features_col, reason_col)]
+        keep = [name for name in batch.schema.names if name != reason_col]
+        if keep_features_as is None:
+            keep.remove(features_col)
         yield pa.RecordBatch.from_arrays(
             [batch.column(name) for name in keep]
             + [
@@ -249,7 +282,8 @@ def label_batches(
                 _scatter(sq_dist, rows, unlabelled, pa.float64()),
                 pa.array(reasons, type=pa.string()),
             ],
-            names=keep + ["local_cluster_id", "cluster_id", SQ_DIST_COL, reason_col],
+            names=[keep_features_as if name == features_col else name for name in keep]
+            + ["local_cluster_id", "cluster_id", SQ_DIST_COL, reason_col],
         )
 
 

@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
     bench.add_argument("--driver-memory", default="2g", help="Spark driver memory (default 2g)")
     bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
+    bench.add_argument("--repeats", type=int, default=3, help="runs of each method; the fastest counts (default 3)")
     bench.set_defaults(handler=command_bench)
 
     quality = commands.add_parser(
@@ -200,7 +201,8 @@ def command_bench(args: argparse.Namespace) -> int:
         )
     )
     command = "kfed-spark bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "kfed-spark bench"
-    report = benchmark(spark, data, out, args.k, args.k_per_device, args.seed, command, not args.no_sklearn)
+    report = benchmark(spark, data, out, args.k, args.k_per_device, args.seed, command, not args.no_sklearn,
+                       args.repeats)
     write_report(report, out)
     print(report.markdown())
     print(f"report: {out / 'benchmark.md'} and {out / 'benchmark.json'}")

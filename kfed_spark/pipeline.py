@@ -55,6 +55,8 @@ log = logging.getLogger("kfed_spark")
 FEATURES_COL = "__kfed_features"
 REASON_COL = "__kfed_reason"
 DEVICE_K_COL = "__kfed_k"
+FEATURES_SOURCE = "kfed_features_source"
+"""Metadata key of FEATURES_COL when it is the input's own features column under another name."""
 ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id")
 RUN_ID_FIELD = StructField("run_id", StringType(), False)
 LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
@@ -376,7 +378,16 @@ def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[
     clashes = [c for c in (*ADDED_COLUMNS, FEATURES_COL, REASON_COL) if c in columns]
     if clashes:
         raise InputError(f"input already has column(s) {', '.join(clashes)}, which the output adds; rename them")
-    prepared = raw.withColumn(FEATURES_COL, features_column(raw, inp.features_col))
+    source = inp.features_col if isinstance(inp.features_col, str) else None
+    kind = raw.schema[source].dataType if source in columns else None
+    if isinstance(kind, ArrayType) and isinstance(kind.elementType, DoubleType):
+        # Already what the Python functions read: renamed, not copied, so each row's features
+        # cross to Python once; label_rows puts the original name back (FEATURES_SOURCE).
+        prepared = raw.select(
+            *[raw[c].alias(FEATURES_COL, metadata={FEATURES_SOURCE: c}) if c == source else raw[c] for c in raw.columns]
+        )
+    else:
+        prepared = raw.withColumn(FEATURES_COL, features_column(raw, inp.features_col))
     if dim is None:
         dim = table_dimension(raw, prepared)
     feature = F.col(FEATURES_COL)
@@ -476,10 +487,7 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
     )
     rows = local_step_rows(valid, cfg)
     partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
-    # Within a device, rows come in the order of a seeded hash of their values, so a device over
-    # max_rows_per_device is clustered on the same sample whatever the partitioning or row order.
-    sample_order = F.xxhash64(F.lit(cfg.seed), FEATURES_COL)
-    shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id", sample_order)
+    shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
     table = shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema).toArrow()
     return LocalCenters.from_arrow(table, dim)
 
@@ -529,8 +537,9 @@ def label_rows(rows: DataFrame, model: LabelModel, raw_schema: StructType, devic
         labelled_fields(raw_schema)
         + [StructField(SQ_DIST_COL, DoubleType(), True), StructField(REASON_COL, StringType(), True)]
     )
+    keep_as = rows.schema[FEATURES_COL].metadata.get(FEATURES_SOURCE)
     return rows.mapInArrow(
-        lambda batches: label_batches(batches, model, device_col, FEATURES_COL, REASON_COL, dim), schema
+        lambda batches: label_batches(batches, model, device_col, FEATURES_COL, REASON_COL, dim, keep_as), schema
     )
 
 

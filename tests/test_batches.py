@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from kfed_spark.batches import LabelModel, LocalStepSpec, device_runs, label_batches, local_centers_from_batches
-from kfed_spark.kernels import device_rng, local_step
+from kfed_spark.kernels import device_rng, local_step, row_hashes, smallest_hashes
 
 
 def rows_batch(devices, x, device_type=pa.int64()):
@@ -44,17 +44,24 @@ def test_devices_spanning_batches_are_clustered_once_on_all_their_rows(device_ty
         assert mine.column("local_cluster_id").to_pylist() == list(range(len(expected.counts)))
 
 
-def test_a_device_over_the_row_bound_is_clustered_on_its_first_rows_and_counted_whole():
+def test_a_device_over_the_row_bound_is_clustered_on_a_sample_that_ignores_row_order_and_counted_whole():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(250, 2)) + np.repeat([[0.0, 0.0], [30.0, 0.0]], 125, axis=0)
-    x = x[rng.permutation(250)]
-    batches = [rows_batch([4] * len(x[i : i + 100]), x[i : i + 100]) for i in range(0, 250, 100)]
     spec = LocalStepSpec(k=2, seed=0, max_iter=100, tol=1e-8, dim=2, device_type=pa.int64(), max_rows=60)
-    out = pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
-    sample = local_step(x[:60], 2, device_rng(0, 4))
-    np.testing.assert_array_equal(np.array(out.column("center").to_pylist()), sample.centers)
+
+    def centers_from(rows, batch_size):
+        batches = [rows_batch([4] * len(rows[i : i + batch_size]), rows[i : i + batch_size])
+                   for i in range(0, len(rows), batch_size)]
+        return pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
+
+    out = centers_from(x, 100)
+    sample, _ = smallest_hashes(x, row_hashes(x, 0), 60)
+    expected = local_step(sample, 2, device_rng(0, 4))
+    np.testing.assert_array_equal(np.array(out.column("center").to_pylist()), expected.centers)
     assert sum(out.column("n_points").to_pylist()) == 250
-    np.testing.assert_allclose(out.column("sse").to_pylist(), sample.sse * 250 / 60)
+    np.testing.assert_allclose(out.column("sse").to_pylist(), expected.sse * 250 / 60)
+    again = centers_from(x[rng.permutation(250)], 7)  # other order, many small batches: several shrinks
+    assert again.column("center").to_pylist() == out.column("center").to_pylist()
 
 
 def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():

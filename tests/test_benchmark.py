@@ -9,7 +9,7 @@ from kfed_spark.synthetic import write_mixture
 def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     data = tmp_path / "input"
     write_mixture(data, k=6, k_per_device=2, devices=30, points_per_device=40, dim=3, seed=2)
-    report = benchmark(spark, str(data), tmp_path / "bench", k=6, k_per_device=2, seed=2, command="test")
+    report = benchmark(spark, str(data), tmp_path / "bench", k=6, k_per_device=2, seed=2, command="test", repeats=2)
     write_report(report, tmp_path / "bench")
 
     names = [e.name for e in report.entries]
@@ -30,7 +30,7 @@ def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     assert all(seconds > 0 for seconds in passes.values()) and len(passes) == 4
 
     saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
-    assert saved["rows"] == 1200 and len(saved["entries"]) == 5
+    assert saved["rows"] == 1200 and len(saved["entries"]) == 5 and saved["repeats"] == 2
     markdown = (tmp_path / "bench" / "benchmark.md").read_text()
     assert "| k-FED on Spark, end to end |" in markdown and "MLlib fit time / k-FED end-to-end time" in markdown
     assert "| read -> Delta write |" in markdown

@@ -284,3 +284,17 @@ def test_nmi_accuracy_and_silhouette_match_scikit_learn():
     assert matched_accuracy_of(contingency(truth, (truth + 2) % 4)) == pytest.approx(1.0)
     # Class 0: 3 rows in cluster 0, 1 in cluster 1; class 1: 1 row in cluster 0. Best: 0 -> 0, 1 -> 1: 3 of 5.
     assert matched_accuracy_of(contingency([0, 0, 0, 0, 1], [0, 0, 0, 1, 0])) == pytest.approx(0.6)
+
+
+def test_row_hashes_depend_on_values_and_seed_only():
+    from kfed_spark.kernels import row_hashes, smallest_hashes
+
+    rng = np.random.default_rng(14)
+    x = rng.normal(size=(500, 6))
+    order = rng.permutation(500)
+    np.testing.assert_array_equal(row_hashes(x, 3)[order], row_hashes(x[order], 3))
+    assert len(np.unique(row_hashes(x, 3))) == 500
+    assert not np.array_equal(row_hashes(x, 3), row_hashes(x, 4))
+    kept, _ = smallest_hashes(x, row_hashes(x, 3), 50)
+    again, _ = smallest_hashes(x[order], row_hashes(x[order], 3), 50)
+    assert {tuple(r) for r in kept} == {tuple(r) for r in again}
