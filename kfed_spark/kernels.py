@@ -336,7 +336,9 @@ def server_step(
     else:
         initial, seed_device = _largest_device_centers(ordered, device_ids[order], eligible, k)
         candidates = [_farthest_point_seeds(ordered, initial, eligible, k)]
-    refined = [_refine(ordered[eligible], weights[eligible], ordered[seeds], refine, max_iter, tol) for seeds in candidates]
+    refined = [
+        _refine(ordered[eligible], weights[eligible], ordered[seeds], refine, max_iter, tol) for seeds in candidates
+    ]
     global_centers, ordered_assignment, rounds = min(refined, key=lambda result: result[3])[:3]
     if not eligible.all():
         ordered_assignment, _ = nearest_center(ordered, global_centers)
