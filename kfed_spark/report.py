@@ -118,7 +118,8 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
         values = report[key]["devices_by_value"]
         positions = [int(v) for v in values]
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.bar(positions, list(values.values()), color="#3b6ea8", width=0.8)
+        bars = ax.bar(positions, list(values.values()), color="#3b6ea8", width=0.8)
+        ax.bar_label(bars, fontsize=8)  # a handful of devices next to thousands is still readable
         ax.set(xlabel=label, ylabel="devices", title=f"Devices by {label}",
                xlim=(min(positions) - 1, max(positions) + 1))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
