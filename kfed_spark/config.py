@@ -173,7 +173,8 @@ def validate_algorithm(cfg: KFedConfig) -> None:
             raise ConfigError(f"k_per_device ({cfg.k_per_device}) must not exceed k ({cfg.k})")
     if cfg.seeding not in SEEDINGS:
         raise ConfigError(f"seeding must be one of {', '.join(SEEDINGS)}, got {cfg.seeding!r}")
-    if isinstance(cfg.robust_min_size, bool) or not isinstance(cfg.robust_min_size, (int, float)) or cfg.robust_min_size < 0:
+    size = cfg.robust_min_size
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
         raise ConfigError(f"robust_min_size must be a number >= 0, got {cfg.robust_min_size!r}")
     _require_int("seed", cfg.seed, 0)
     _require_int("max_iter", cfg.max_iter, 1)

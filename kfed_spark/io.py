@@ -22,6 +22,8 @@ from kfed_spark.errors import InputError, KFedError
 log = logging.getLogger("kfed_spark")
 
 TABLES = ("labels", "centers", "local_centers", "quarantine", "runs")
+URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+"""A scheme such as s3a:, file: or abfss: (anything else is a local path)."""
 REPORTS = "reports"
 """Folder under the output path holding one folder of report files per run."""
 CSV_DEFAULTS = {"header": "true", "inferSchema": "true"}
@@ -49,7 +51,7 @@ def read_side_table(spark: SparkSession, name: str) -> DataFrame:
     try:
         if TABLE_NAME_PATTERN.match(name) and spark.catalog.tableExists(name):
             return spark.read.table(name)
-        is_delta = os.path.isdir(os.path.join(name, "_delta_log")) or DeltaTable.isDeltaTable(spark, absolute(name))
+        is_delta = DeltaTable.isDeltaTable(spark, absolute(name))
         return spark.read.format("delta" if is_delta else "parquet").load(absolute(name))
     except AnalysisException as exc:
         raise InputError(f"cannot read table {name}: {first_line(exc)}") from None
@@ -57,7 +59,7 @@ def read_side_table(spark: SparkSession, name: str) -> DataFrame:
 
 def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://), and the path in it."""
-    return pafs.FileSystem.from_uri(path if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path) else "file://" + path)
+    return pafs.FileSystem.from_uri(path if URI_PATTERN.match(path) else "file://" + path)
 
 
 def report_of(output_path: str, run_id: str, name: str = "report.json") -> bytes:
@@ -80,7 +82,7 @@ def first_line(exc: Exception) -> str:
 def absolute(path: str) -> str:
     """A local path made absolute (Delta's table builder takes a relative location for a table
     name); a URI such as s3a://bucket/x or file:/x is returned unchanged."""
-    return path if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path) else os.path.abspath(path)
+    return path if URI_PATTERN.match(path) else os.path.abspath(path)
 
 
 def _replace_slice(df: DataFrame, path: str, run_id: str, note: str) -> None:
