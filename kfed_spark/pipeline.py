@@ -138,6 +138,7 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) 
     with timer.stage("read"):
         raw = read_input(spark, cfg.input)
         tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
+        tables.check_schema("runs", RUNS_SCHEMA)
     if parent_run_id is None:
         clustering = fit(raw, cfg, timer)
     else:
@@ -331,6 +332,7 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
     raw = read_input(spark, cfg.input)
     tables = OutputTables(spark, cfg.output)
     tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
+    tables.check_schema("runs", RUNS_SCHEMA)
     _, dim = validated(raw, cfg)
     features = cfg.input.features_col
     existing = [name for name in TABLES if tables.exists(name)]

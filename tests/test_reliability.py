@@ -67,6 +67,16 @@ def test_output_holding_another_schema_is_refused_before_any_work(spark, config,
     assert "only in the table: ['a']" in err
 
 
+def test_a_runs_table_of_the_previous_version_is_refused_before_any_work(spark, config, tmp_path, capsys):
+    """runs.k_per_device was an integer and had no seeding column before per-device k."""
+    spark.createDataFrame([("old", 2)], "run_id string, k_per_device int").write.format("delta").save(
+        str(tmp_path / "old" / "runs"))
+    assert run_cli(config, f"output.path={tmp_path / 'old'}") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kfed-spark: error: output table {tmp_path / 'old' / 'runs'} holds another schema")
+    assert not (tmp_path / "old" / "labels").exists()
+
+
 def test_partitioning_and_row_order_do_not_change_labels(spark, config, tmp_path, mixture_path):
     table = pq.read_table(mixture_path)
     shuffled = table.take(np.random.default_rng(0).permutation(table.num_rows))
