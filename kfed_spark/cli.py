@@ -384,6 +384,7 @@ def command_demo(args: argparse.Namespace) -> int:
         f"  k-means cost {result.cost:.6g} ({result.cost / result.truth_cost:.4f} x the planted clusters' cost)\n"
         f"  ARI against the planted clusters {result.ari:.4f}\n"
         f"  tables (Delta): {result.output_path}/{{labels,centers,local_centers,quarantine,runs}}\n"
+        f"  report: {result.output_path}/reports/demo/report.html (kfed-spark report demo --output {result.output_path})\n"
         f"  query: {query}\n\n{top.to_string(index=False)}"
     )
     return 0

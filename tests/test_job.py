@@ -248,3 +248,12 @@ def test_relative_output_path_is_taken_from_the_working_directory(spark, config,
     monkeypatch.chdir(tmp_path)
     assert run_cli(config, "output.path=relative-out") == 0
     assert labels_of(spark, tmp_path / "relative-out", "first").count() == MIXTURE["devices"] * MIXTURE["points_per_device"]
+
+
+def test_the_readme_demo_clusters_the_mixture_and_leaves_tables_and_a_report(spark, tmp_path, capsys):
+    assert main(["demo", "--folder", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "ARI against the planted clusters 1.0000" in out and "labelled 40000, quarantined 0" in out
+    assert (tmp_path / "demo" / "output" / "reports" / "demo" / "report.html").exists()
+    assert main(["report", "demo", "--output", str(tmp_path / "demo" / "output")]) == 0
+    assert "40000 in, 40000 labelled, 0 quarantined" in capsys.readouterr().out
