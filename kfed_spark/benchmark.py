@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from kfed_spark.config import build_config
 from kfed_spark.kernels import federated_kmeans, server_step
-from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
+from kfed_spark.metrics import adjusted_rand_index, cost_of_labels
 
 log = logging.getLogger("kfed_spark")
 
@@ -83,11 +83,7 @@ def planted(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     table = pq.read_table(path, columns=["device_id", "features", "true_cluster"])
     x = _features(table)
     truth = table.column("true_cluster").to_numpy()
-    labels = np.unique(truth, return_inverse=True)[1]
-    sums = np.zeros((labels.max() + 1, x.shape[1]))
-    np.add.at(sums, labels, x)
-    cost = within_cluster_cost(np.bincount(labels), sums, np.bincount(labels, weights=np.einsum("ij,ij->i", x, x)))
-    return x, table.column("device_id").to_numpy(), truth, cost
+    return x, table.column("device_id").to_numpy(), truth, cost_of_labels(x, truth)
 
 
 def _features(table: pa.Table) -> np.ndarray:

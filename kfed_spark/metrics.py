@@ -98,3 +98,11 @@ def within_cluster_cost(counts: np.ndarray, sums: np.ndarray, squared_norms: np.
     counts = np.asarray(counts, dtype=np.float64)
     sums = np.asarray(sums, dtype=np.float64)
     return float(np.sum(squared_norms) - np.sum(np.einsum("ij,ij->i", sums, sums) / counts))
+
+
+def cost_of_labels(x: np.ndarray, labels: np.ndarray) -> float:
+    """k-means cost of the clusters a labelling of the rows x defines, around their own means."""
+    _, index = np.unique(labels, return_inverse=True)
+    sums = np.zeros((index.max() + 1, x.shape[1]))
+    np.add.at(sums, index, x)
+    return within_cluster_cost(np.bincount(index), sums, np.bincount(index, weights=np.einsum("ij,ij->i", x, x)))

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from kfed_spark.batches import feature_matrix
 from kfed_spark.datasets import DATASETS, features_array, load
 from kfed_spark.kernels import device_rng, federated_kmeans
-from kfed_spark.metrics import ari_of, contingency, nmi_of
+from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
 from kfed_spark.synthetic import MEAN_SCALE, mixture
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
@@ -106,22 +106,13 @@ def with_outlier_devices(table: pa.Table, devices: np.ndarray, seed: int) -> tup
     return joined, np.concatenate([devices, new_devices])
 
 
-def cost_of(x: np.ndarray, labels: np.ndarray) -> float:
-    """k-means cost of the clusters labels defines, around their own means."""
-    _, index = np.unique(labels, return_inverse=True)
-    sums = np.zeros((index.max() + 1, x.shape[1]))
-    np.add.at(sums, index, x)
-    sizes = np.bincount(index)
-    return float(np.einsum("ij,ij->", x, x) - np.sum(np.einsum("ij,ij->i", sums, sums) / sizes))
-
-
 def evaluate(spark, problem: Problem, seed: int, folder: Path) -> list[QualityRow]:
     rows: list[QualityRow] = []
 
     def add(method: str, k_per_device: str, labels: np.ndarray, seconds: float) -> None:
         cells = contingency(problem.truth, labels)
         rows.append(QualityRow(problem.name, method, problem.k, k_per_device, ari_of(cells), nmi_of(cells),
-                               cost_of(problem.x, labels), 0.0, round(seconds, 2)))
+                               cost_of_labels(problem.x, labels), 0.0, round(seconds, 2)))
 
     k_z = K_PER_DEVICE.get(problem.name, 2)
     for seeding, refine, label_mode in KFED_VARIANTS:
