@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
+from kfed_spark.datasets import DATASETS
 from kfed_spark.errors import KFedError
 
 DEMO_FOLDER = "kfed-demo"
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser(
         "prepare", help="turn a real dataset (femnist, mnist, shakespeare) into the job's input table (Parquet)"
     )
-    prepare.add_argument("dataset", choices=["femnist", "mnist", "shakespeare"], help="which dataset")
+    prepare.add_argument("dataset", choices=list(DATASETS), help="which dataset")
     prepare.add_argument("--out", required=True, help="output folder for the Parquet file")
     prepare.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
     prepare.add_argument("--max-devices", type=int, help="keep only this many devices (a small slice)")
@@ -146,9 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench-quality",
         help="ARI, NMI and cost of k-FED variants, MLlib and scikit-learn on the real datasets and a mixture",
     )
-    quality.add_argument("--datasets", default="femnist,mnist,shakespeare,mixture,mixture-iid,mixture-outliers",
-                         help="comma-separated names (default: all of femnist, mnist, shakespeare, mixture, "
-                         "mixture-iid, mixture-outliers)")
+    quality.add_argument("--datasets", help=f"comma-separated names among {', '.join(DATASETS)}, mixture, "
+                         "mixture-iid, mixture-outliers (default: all)")
     quality.add_argument("--out", default="kfed-quality", help="folder for quality.json and quality.md")
     quality.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
     quality.add_argument("--max-devices", type=int, help="use only this many devices of each real dataset")
@@ -214,7 +214,7 @@ def command_bench_quality(args: argparse.Namespace) -> int:
     from kfed_spark.quality import PROBLEMS, bench_quality, markdown
     from kfed_spark.session import build_session
 
-    names = [name.strip() for name in args.datasets.split(",") if name.strip()]
+    names = list(PROBLEMS) if args.datasets is None else [n.strip() for n in args.datasets.split(",") if n.strip()]
     if not names or set(names) - set(PROBLEMS):
         raise KFedError(f"--datasets takes names from {', '.join(PROBLEMS)}, got {args.datasets!r}")
     conf = {**QUIET_LOCAL_SPARK, "spark.ui.showConsoleProgress": "false"}
@@ -330,7 +330,7 @@ def command_generate(args: argparse.Namespace) -> int:
 
 
 def command_prepare(args: argparse.Namespace) -> int:
-    from kfed_spark.datasets import DATASETS, load, write_parquet_folder
+    from kfed_spark.datasets import load, write_parquet_folder
 
     table = load(args.dataset, args.data_dir, args.max_devices, args.seed)
     write_parquet_folder(table, args.out)

@@ -54,16 +54,19 @@ def load_femnist(data_dir: Path, max_devices: int | None = None, seed: int = 0) 
     del seed  # the writers are taken in shard order: nothing is drawn
     folder = _folder(data_dir, "femnist-leaf-small")
     pixels, labels, writers = [], [], []
-    for path in sorted(glob.glob(str(folder / "train" / "*.json.gz"))):
+    paths = sorted(glob.glob(str(folder / "train" / "*.json.gz")))
+    taken = 0
+    for path in paths:
+        if max_devices is not None and taken >= max_devices:
+            break
         with gzip.open(path, "rt") as f:
             shard = json.load(f)
-        for user in shard["users"]:
-            if max_devices is not None and len(set(writers)) >= max_devices:
-                break
+        for user in shard["users"][: None if max_devices is None else max_devices - taken]:
             data = shard["user_data"][user]
             pixels.append(1.0 - np.asarray(data["x"], dtype=np.float64))
             labels.extend(data["y"])
             writers.extend([user] * len(data["y"]))
+            taken += 1
     return pa.table(
         {
             "device_id": pa.array(writers, pa.string()),

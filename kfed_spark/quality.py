@@ -28,7 +28,7 @@ OUTLIER_ROWS = 3
 """mixture-outliers adds this many devices of this many rows each, far from every cluster."""
 
 SYNTHETIC_PROBLEMS = ("mixture", "mixture-iid", "mixture-outliers")
-PROBLEMS = ("femnist", "mnist", "shakespeare", *SYNTHETIC_PROBLEMS)
+PROBLEMS = (*DATASETS, *SYNTHETIC_PROBLEMS)
 
 K_PER_DEVICE = {"femnist": 10, "mnist": 2, "shakespeare": 1, "mixture": 4, "mixture-iid": 16, "mixture-outliers": 4}
 """The fixed k_z each dataset is clustered with: rotated MNIST devices hold 2 digits by
