@@ -143,7 +143,7 @@ class _DeviceSample:
 
 
 def _fail_if_first_attempt() -> None:
-    """The test-only fault inject_failure=local_step_first_attempt: Spark must retry the task."""
+    """The test-only fault KFED_TEST_FAULT=fail_first_attempt (kfed_spark.faults): Spark must retry the task."""
     from pyspark import TaskContext
 
     context = TaskContext.get()

@@ -101,6 +101,7 @@ def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed:
                    run_id: str) -> tuple[Entry, np.ndarray]:
     from pyspark.sql import functions as F
 
+    from kfed_spark.io import OutputTables
     from kfed_spark.pipeline import run
 
     cfg = build_config(
@@ -116,7 +117,7 @@ def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed:
     )
     result, seconds = _timed(lambda: run(spark, cfg))
     labels = (
-        spark.read.format("delta").load(str(out / "kfed" / "labels")).filter(F.col("run_id") == run_id)
+        OutputTables(spark, cfg.output).published("labels").filter(F.col("run_id") == run_id)
         .select("row_id", "cluster_id").toPandas().sort_values("row_id").cluster_id.to_numpy()
     )
     return Entry("k-FED on Spark, end to end", seconds, result.cost, 0.0, result.timings), labels

@@ -1,4 +1,5 @@
-"""The `kfed-spark` command: run, assign, sql, generate, prepare, demo, report, bench, bench-quality, bench-server.
+"""The `kfed-spark` command: run, assign, sql, report, maintain, generate, prepare, demo, bench, bench-quality,
+bench-server.
 
 spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
 """
@@ -7,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
 from kfed_spark.datasets import DATASETS
-from kfed_spark.errors import KFedError
+from kfed_spark.errors import KFedError, Terminated
 
 DEMO_FOLDER = "kfed-demo"
 QUIET_LOCAL_SPARK = {
@@ -32,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except KFedError as exc:
         print(f"kfed-spark: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
+    except Terminated as exc:
+        print(f"kfed-spark: error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         message = spark_failure(exc)
         if message is None:
@@ -59,6 +65,26 @@ def spark_failure(exc: Exception) -> str | None:
 
         return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {delta_package()}"
     return f"Spark failed: {text}"
+
+
+def stop_on_sigterm() -> None:
+    """On SIGTERM (what Airflow sends on a timeout), interrupt this session's Spark work and raise
+    Terminated in the main thread, so that the run records its attempt as failed and exits.
+
+    The interrupt is sent from a thread of its own: the main thread may be waiting inside a py4j
+    call, whose connection cannot carry another command until it returns.
+    """
+
+    def handler(signum, frame):
+        from pyspark.sql import SparkSession
+
+        spark = SparkSession.getActiveSession()
+        if spark is not None:
+            threading.Thread(target=spark.interruptAll, daemon=True).start()
+        raise Terminated("stopped by SIGTERM; the attempt was recorded as failed and nothing of it was published")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,12 +124,24 @@ def build_parser() -> argparse.ArgumentParser:
     sql = commands.add_parser(
         "sql", help="run a Spark SQL query against the tables of an output location and print the result"
     )
-    sql.add_argument("query", help="the query; the tables are views named labels, centers, local_centers, "
-                     "quarantine, runs, and latest_labels (the newest successful run)")
+    sql.add_argument("query", help="the query; views labels, centers, local_centers and quarantine hold the "
+                     "published attempt of every run, latest_labels (and latest_centers, ...) the newest "
+                     "succeeded run, runs every attempt with its status")
     sql.add_argument("--config", help="YAML config whose output.path and spark settings to use")
     sql.add_argument("--output", help="the output location (overrides output.path of --config)")
     sql.add_argument("--limit", type=int, default=100, help="rows to print at most (default 100)")
     sql.set_defaults(handler=command_sql)
+
+    maintain = commands.add_parser(
+        "maintain",
+        help="tidy an output location: mark attempts whose process is gone as abandoned, and delete the rows "
+        "of failed, abandoned and superseded attempts",
+    )
+    maintain.add_argument("--output", help="the output location (default: output.path of --config)")
+    maintain.add_argument("--config", help="YAML config whose output.path and spark settings to use")
+    maintain.add_argument("--abandon-after-hours", type=float, metavar="HOURS",
+                          help="also abandon attempts still running after this long, on any host")
+    maintain.set_defaults(handler=command_maintain)
 
     report = commands.add_parser("report", help="print the report of a run (its report.json, as text)")
     report.add_argument("run_id", metavar="RUN_ID", help="the run whose report to print")
@@ -237,6 +275,7 @@ def command_bench_server(args: argparse.Namespace) -> int:
 
 def command_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    stop_on_sigterm()
     if args.dry_run:
         from kfed_spark.pipeline import plan
         from kfed_spark.session import build_session
@@ -245,7 +284,7 @@ def command_run(args: argparse.Namespace) -> int:
         return 0
     result = execute(cfg)
     print(
-        f"run {result.run_id}: {result.n_labelled} rows labelled, {result.n_quarantined} quarantined, "
+        f"run {result.run_id} (attempt {result.attempt_id}, published): {result.n_labelled} rows labelled, {result.n_quarantined} quarantined, "
         f"{result.n_devices} devices, cost {result.cost:.6g}"
         + (f", ARI {result.ari:.4f}" if result.ari is not None else "")
         + (f", cost / planted cost {result.cost / result.truth_cost:.4f}" if result.truth_cost else "")
@@ -265,6 +304,7 @@ def execute(cfg: KFedConfig, parent_run_id: str | None = None):
 
 def command_assign(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    stop_on_sigterm()
     result = execute(cfg, parent_run_id=args.model_run)
     print(
         f"run {result.run_id} (model of run {args.model_run}): {result.n_labelled} rows labelled, "
@@ -273,7 +313,8 @@ def command_assign(args: argparse.Namespace) -> int:
     return 0
 
 
-def command_sql(args: argparse.Namespace) -> int:
+def output_session(args: argparse.Namespace):
+    """The OutputTables that --output or --config name, in a session the config describes (or local)."""
     from kfed_spark.config import OutputConfig, SparkConfig
     from kfed_spark.io import OutputTables
     from kfed_spark.session import build_session
@@ -284,11 +325,15 @@ def command_sql(args: argparse.Namespace) -> int:
     elif args.output:
         output, spark_cfg = OutputConfig(path=args.output), SparkConfig(master="local[2]", conf=QUIET_LOCAL_SPARK)
     else:
-        raise KFedError("give --output PATH or --config FILE to say which tables to query")
-    spark = build_session(spark_cfg)
-    if not OutputTables(spark, output).register_views():
-        raise KFedError(f"no kfed-spark tables under {output.path}")
-    result = spark.sql(args.query).limit(args.limit).toPandas()
+        raise KFedError("give --output PATH or --config FILE to say which tables to use")
+    return OutputTables(build_session(spark_cfg), output)
+
+
+def command_sql(args: argparse.Namespace) -> int:
+    tables = output_session(args)
+    if not tables.register_views():
+        raise KFedError(f"no kfed-spark tables under {tables.root}")
+    result = tables.spark.sql(args.query).limit(args.limit).toPandas()
     print(result.to_string(index=False))
     return 0
 
@@ -296,17 +341,28 @@ def command_sql(args: argparse.Namespace) -> int:
 def command_report(args: argparse.Namespace) -> int:
     import json
 
-    from kfed_spark.io import report_of
     from kfed_spark.report import terminal_text
 
-    if args.output:
-        output = args.output
-    elif args.config:
-        output = load_config(args.config).output.path
-    else:
-        raise KFedError("give --output PATH or --config FILE to say where the run's tables are")
-    raw = report_of(output, args.run_id)
+    raw = output_session(args).read_report(args.run_id)
     print(raw.decode() if args.json else terminal_text(json.loads(raw)))
+    return 0
+
+
+def command_maintain(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from kfed_spark.attempts import Ledger
+
+    tables = output_session(args)
+    if not tables.check_log("runs"):
+        raise KFedError(f"no kfed-spark tables under {tables.root}")
+    after = None if args.abandon_after_hours is None else timedelta(hours=args.abandon_after_hours)
+    rows = Ledger(tables).tidy(after)
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    print(f"{len(rows)} attempts under {tables.root}: "
+          + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
     return 0
 
 
@@ -372,7 +428,8 @@ def command_demo(args: argparse.Namespace) -> int:
     labels = f"{result.output_path}/labels"
     query = (
         f"SELECT cluster_id, count(*) AS n_rows, count(DISTINCT device_id) AS n_devices "
-        f"FROM delta.`{labels}` WHERE run_id = 'demo' GROUP BY cluster_id ORDER BY n_rows DESC LIMIT 5"
+        f"FROM delta.`{labels}` WHERE run_id = 'demo' AND attempt_id = '{result.attempt_id}' "
+        "GROUP BY cluster_id ORDER BY n_rows DESC LIMIT 5"
     )
     from pyspark.sql import SparkSession
 
@@ -384,7 +441,7 @@ def command_demo(args: argparse.Namespace) -> int:
         f"  k-means cost {result.cost:.6g} ({result.cost / result.truth_cost:.4f} x the planted clusters' cost)\n"
         f"  ARI against the planted clusters {result.ari:.4f}\n"
         f"  tables (Delta): {result.output_path}/{{labels,centers,local_centers,quarantine,runs}}\n"
-        f"  report: {result.output_path}/reports/demo/report.html (kfed-spark report demo --output {result.output_path})\n"
+        f"  report: {result.output_path}/reports/demo/{result.attempt_id}/report.html (kfed-spark report demo --output {result.output_path})\n"
         f"  query: {query}\n\n{top.to_string(index=False)}"
     )
     return 0

@@ -1,19 +1,24 @@
-"""All reads of the input and all Delta Lake reads and writes."""
+"""All reads of the input and all Delta Lake reads and writes.
+
+Only SQL and DataFrame reads and writes: no DeltaTable Python API, which Spark Connect lacks without
+Delta's Connect plugin on the server.
+
+Every output table is partitioned by (run_id, attempt_id). An attempt appends its own rows; the
+`runs` table says which attempt of each run id is published (see kfed_spark.attempts), and readers
+go through the published views that this module defines.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
-from collections.abc import Iterator
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pyarrow.fs as pafs
-from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
@@ -22,16 +27,29 @@ from kfed_spark.errors import InputError, KFedError
 log = logging.getLogger("kfed_spark")
 
 TABLES = ("labels", "centers", "local_centers", "quarantine", "runs")
+DATA_TABLES = TABLES[:-1]
+"""The tables whose rows belong to one attempt of a run; `runs` says which attempts are published."""
+PARTITION_COLUMNS = ("run_id", "attempt_id")
 URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 """A scheme such as s3a:, file: or abfss: (anything else is a local path)."""
 REPORTS = "reports"
-"""Folder under the output path holding one folder of report files per run."""
+"""Folder under the output path holding reports/<run_id>/<attempt_id>/ for every attempt that wrote one."""
 CSV_DEFAULTS = {"header": "true", "inferSchema": "true"}
-LATEST_LABELS = (
-    "SELECT * FROM {labels} WHERE run_id = "
-    "(SELECT run_id FROM {runs} WHERE status = 'succeeded' ORDER BY finished_at DESC LIMIT 1)"
+PUBLISHED_ATTEMPTS = (
+    "SELECT run_id, max_by(attempt_id, publish_seq) AS attempt_id FROM {runs} "
+    "WHERE status = 'succeeded' GROUP BY run_id"
 )
-"""The labels of the newest successful run."""
+"""The published attempt of every run id: its succeeded attempt with the highest publish number."""
+LATEST_ATTEMPT = (
+    "SELECT run_id, attempt_id FROM {runs} WHERE status = 'succeeded' AND (run_id, attempt_id) IN ("
+    + PUBLISHED_ATTEMPTS
+    + ") ORDER BY finished_at DESC, run_id DESC LIMIT 1"
+)
+"""The published attempt of the newest succeeded run."""
+LOG_ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint(?:\.\d+\.\d+)?\.parquet|crc)$")
+"""A commit, checkpoint or checksum file of a Delta log, by version."""
+TRANSACTION_CONFLICT = "DELTA_CONCURRENT_TRANSACTION"
+"""Delta's error when another writer committed the same txnAppId at the same time."""
 
 
 def read_input(spark: SparkSession, inp: InputConfig) -> DataFrame:
@@ -51,29 +69,24 @@ def read_side_table(spark: SparkSession, name: str) -> DataFrame:
     try:
         if TABLE_NAME_PATTERN.match(name) and spark.catalog.tableExists(name):
             return spark.read.table(name)
-        is_delta = DeltaTable.isDeltaTable(spark, absolute(name))
-        return spark.read.format("delta" if is_delta else "parquet").load(absolute(name))
+        try:
+            return spark.read.format("delta").load(absolute(name))
+        except AnalysisException:
+            return spark.read.format("parquet").load(absolute(name))
     except AnalysisException as exc:
         raise InputError(f"cannot read table {name}: {first_line(exc)}") from None
 
 
-def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://), and the path in it."""
-    return pafs.FileSystem.from_uri(path if URI_PATTERN.match(path) else "file://" + path)
-
-
-def report_of(output_path: str, run_id: str, name: str = "report.json") -> bytes:
-    """A file of a run's report, read without Spark."""
-    root = absolute(str(output_path)).rstrip("/")
-    filesystem, path = _filesystem(f"{root}/{REPORTS}/{run_id}/{name}")
+def _filesystem(path: str) -> tuple[pafs.FileSystem, str] | None:
+    """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://) and the path in it;
+    None for a scheme pyarrow does not know (s3a:, abfss:), where the checks that need it are skipped."""
     try:
-        with filesystem.open_input_stream(path) as stream:
-            return stream.read()
-    except FileNotFoundError:
-        raise KFedError(f"no report of run {run_id!r} under {root}/{REPORTS}") from None
+        return pafs.FileSystem.from_uri(path if URI_PATTERN.match(path) else "file://" + path)
+    except Exception:  # pyarrow raises ArrowInvalid or ArrowNotImplementedError for unknown schemes
+        return None
 
 
-def first_line(exc: Exception) -> str:
+def first_line(exc: BaseException) -> str:
     """The first line of an exception's message: Spark's own messages carry a JVM trace after it."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -85,43 +98,114 @@ def absolute(path: str) -> str:
     return path if URI_PATTERN.match(path) else os.path.abspath(path)
 
 
-def _replace_slice(df: DataFrame, path: str, run_id: str, note: str) -> None:
-    """One atomic Delta commit that replaces the rows of run_id with df (which holds only that run);
-    it creates the table, partitioned by run_id, if there is none at path."""
-    (
-        df.write.format("delta")
-        .partitionBy("run_id")
-        .mode("overwrite")
-        .option("replaceWhere", f"run_id = '{run_id}'")
-        .option("userMetadata", note)
-        .save(path)
-    )
+def attempt_filter(run_id: str, attempt_id: str) -> str:
+    """The SQL predicate of one attempt's partition (both ids are checked against strict patterns)."""
+    return f"run_id = '{run_id}' AND attempt_id = '{attempt_id}'"
+
+
+class AttemptConflict(KFedError):
+    """Another attempt of the same run id was published first (or at the same moment)."""
+
+    exit_code = 1
 
 
 class OutputTables:
-    """The Delta tables of one output location; each run owns the rows with its run_id."""
+    """The Delta tables of one output location."""
 
     def __init__(self, spark: SparkSession, output: OutputConfig):
         self.spark = spark
         self.root = absolute(str(output.path)).rstrip("/")
         self.database = output.database
-        self._version_before_run: dict[str, int | None] = {}
-        self._report_started = False
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
+    def source(self, name: str) -> str:
+        """The table in SQL, by path."""
+        return f"delta.`{self.path(name)}`"
+
     def read(self, name: str) -> DataFrame:
+        """Every row of a table, of every attempt, published or not."""
         return self.spark.read.format("delta").load(self.path(name))
 
     def exists(self, name: str) -> bool:
-        return DeltaTable.isDeltaTable(self.spark, self.path(name))
+        try:
+            self.read(name).schema
+        except AnalysisException:
+            return False
+        return True
+
+    def published(self, name: str) -> DataFrame:
+        """The rows of a table that belong to published attempts (what readers see)."""
+        return self.spark.sql(self.published_query(self.source(name), self.source("runs")))
+
+    @staticmethod
+    def published_query(table: str, runs: str, latest: bool = False) -> str:
+        attempts = (LATEST_ATTEMPT if latest else PUBLISHED_ATTEMPTS).format(runs=runs)
+        return f"SELECT * FROM {table} WHERE (run_id, attempt_id) IN ({attempts})"
+
+    # -- checks made before any work --------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """The output location is a folder this process can create files in (a probe file is made
+        and removed), or a one-line error. Skipped for schemes pyarrow does not know."""
+        located = _filesystem(self.root)
+        if located is None:
+            return
+        filesystem, root = located
+        if filesystem.get_file_info(root).type == pafs.FileType.File:
+            raise KFedError(f"output.path {self.root} is a file, not a folder")
+        probe = f"{root}/.kfed-write-check-{uuid.uuid4().hex}"
+        try:
+            filesystem.create_dir(root, recursive=True)
+            with filesystem.open_output_stream(probe) as out:
+                out.write(b"")
+            filesystem.delete_file(probe)
+        except OSError as exc:
+            raise KFedError(f"cannot write under output.path {self.root}: {first_line(exc)}") from None
+
+    def check_log(self, name: str) -> bool:
+        """Whether a Delta table is at the table's path; a folder there that is not an intact Delta
+        table (files but no _delta_log, or a log missing commits) is refused with a one-line error."""
+        located = _filesystem(self.path(name))
+        if located is None:
+            return self.exists(name)
+        filesystem, path = located
+        kind = filesystem.get_file_info(path).type
+        if kind == pafs.FileType.NotFound:
+            return False
+        if kind != pafs.FileType.Directory:
+            raise KFedError(f"output table path {self.path(name)} is a file, not a Delta table")
+        entries = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        if not any(e.base_name == "_delta_log" for e in entries):
+            if entries:
+                raise KFedError(f"output table path {self.path(name)} holds files but no Delta log; use another "
+                                "output.path")
+            return False
+        versions: dict[str, set[int]] = {"json": set(), "checkpoint": set(), "crc": set()}
+        for entry in filesystem.get_file_info(pafs.FileSelector(f"{path}/_delta_log")):
+            match = LOG_ENTRY.match(entry.base_name)
+            if match:
+                versions[match.group(2).split(".")[0]].add(int(match.group(1)))
+        commits, checkpoints = versions["json"], versions["checkpoint"]
+        newest = max(commits | checkpoints | versions["crc"], default=None)
+        first = max(checkpoints) + 1 if checkpoints else 0
+        missing = [] if newest is None else [v for v in range(first, newest + 1) if v not in commits]
+        if newest is None or missing:
+            lacking = f"version(s) {', '.join(map(str, missing[:5]))}" if missing else "any commit"
+            raise KFedError(
+                f"output table {self.path(name)} is damaged: its Delta log lacks {lacking}; restore the log "
+                "or use another output.path (nothing was written)"
+            )
+        return True
 
     def check_schema(self, name: str, schema: StructType) -> None:
         """Fail before any work if a table already at the location has another schema."""
-        if not self.exists(name):
-            return
-        existing = {(f.name, f.dataType.simpleString()) for f in self.read(name).schema.fields}
+        try:
+            existing_schema = self.read(name).schema
+        except AnalysisException as exc:
+            raise KFedError(f"cannot read output table {self.path(name)}: {first_line(exc)}") from None
+        existing = {(f.name, f.dataType.simpleString()) for f in existing_schema.fields}
         wanted = {(f.name, f.dataType.simpleString()) for f in schema.fields}
         if existing != wanted:
             extra = sorted(n for n, _ in existing - wanted)
@@ -131,94 +215,142 @@ class OutputTables:
                 f"{extra or 'none'}; only in this run: {missing or 'none'}); use another output.path"
             )
 
-    def replace_run(self, name: str, df: DataFrame, run_id: str) -> None:
-        """Atomically replace this run's rows of one table (Delta replaceWhere); other runs stay.
+    def prepare(self, schemas: dict[str, StructType]) -> None:
+        """Check every table of the location (intact log, same schema) and the folder (writable), then
+        create the missing tables, empty, partitioned by (run_id, attempt_id).
 
-        Tables are partitioned by run_id, so the replacement drops whole partitions from the log
-        instead of reading the files that may hold the run's rows (seconds per table otherwise).
+        Two first runs may create a table at once: Delta lets one commit version 0 and the other
+        fails with a protocol or metadata conflict; the loser finds the table there and goes on.
         """
-        path = self.path(name)
-        if name not in self._version_before_run:
-            self._version_before_run[name] = self._version(name)
-        _replace_slice(df, path, run_id, f"kfed-spark run {run_id}")
-        log.info("wrote %s for run %s", path, run_id)
+        present = {name: self.check_log(name) for name in schemas}
+        for name, schema in schemas.items():
+            if present[name]:
+                self.check_schema(name, schema)
+        self.check_writable()
+        for name, schema in schemas.items():
+            if present[name]:
+                continue
+            try:
+                self._write(self.spark.createDataFrame([], schema), name, "append", "kfed-spark: create table")
+                log.info("created %s", self.path(name))
+            except Exception:
+                if not self.exists(name):
+                    raise
+                self.check_schema(name, schema)
+        self.register()
 
-    def _version(self, name: str) -> int | None:
-        if not self.exists(name):
-            return None
-        return DeltaTable.forPath(self.spark, self.path(name)).history(1).first()["version"]
+    # -- writes -----------------------------------------------------------------------------------
 
-    @contextmanager
-    def undo_on_failure(self, run_id: str) -> Iterator[None]:
-        """If the block fails, put back every table's slice of run_id as it was before the run.
+    def _write(self, df: DataFrame, name: str, mode: str, note: str, **options: str) -> None:
+        writer = df.write.format("delta").partitionBy(*PARTITION_COLUMNS).mode(mode).option("userMetadata", note)
+        writer.options(**options).save(self.path(name))
 
-        Delta commits one table at a time; this makes a failed run leave no partial rows: each
-        table it wrote gets its previous slice of this run id back (read by time travel, or
-        nothing if the run id is new) in one more replaceWhere commit. Other runs' rows, even
-        those committed meanwhile by other writers, are not touched. A report the run had begun
-        to write is deleted.
+    def append(self, frames: dict[str, DataFrame], run_id: str, attempt_id: str) -> None:
+        """Append an attempt's rows to several tables, each one commit, the commits made concurrently
+        (a commit is mostly fixed Delta overhead). The rows stay invisible until the attempt is published."""
+
+        def write(name: str, df: DataFrame) -> None:
+            self._write(df, name, "append", f"kfed-spark run {run_id} attempt {attempt_id}")
+            log.info("wrote %s for run %s (attempt %s)", self.path(name), run_id, attempt_id)
+
+        if len(frames) == 1:
+            write(*next(iter(frames.items())))
+            return
+        with ThreadPoolExecutor(max_workers=len(frames)) as pool:
+            for future in [pool.submit(write, name, df) for name, df in frames.items()]:
+                future.result()
+
+    def write_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str, fence: int | None = None) -> None:
+        """Replace an attempt's row of `runs` in one commit.
+
+        With `fence`, the commit carries Delta's idempotent-write marker (txnAppId per run id,
+        txnVersion = fence): Delta skips it if that run id already committed this or a higher fence,
+        and fails it if another writer commits the same marker at the same moment. That makes the
+        publish of a run id first-come-first-served; the caller reads the row back to learn which.
         """
+        options = {"replaceWhere": attempt_filter(run_id, attempt_id)}
+        if fence is not None:
+            options.update(txnAppId=f"kfed-spark-publish:{run_id}", txnVersion=str(fence))
         try:
-            yield
-        except BaseException:
-            if self._report_started:
-                filesystem, folder = _filesystem(self.report_dir(run_id))
-                filesystem.delete_dir(folder)
-            for name, version in self._version_before_run.items():
-                path = self.path(name)
-                current = self.read(name)
-                if version is None:
-                    previous = self.spark.createDataFrame([], current.schema)
-                else:
-                    previous = self.spark.read.format("delta").option("versionAsOf", version).load(path)
-                _replace_slice(
-                    previous.filter(F.col("run_id") == run_id), path, run_id, f"kfed-spark undo of failed run {run_id}"
-                )
-                log.warning("run %s failed: restored its slice of %s", run_id, path)
+            self._write(row, "runs", "overwrite", f"kfed-spark run {run_id} attempt {attempt_id}", **options)
+        except Exception as exc:
+            if TRANSACTION_CONFLICT in str(exc):
+                raise AttemptConflict(
+                    f"another attempt of run {run_id!r} was published at the same moment as attempt {attempt_id}"
+                ) from None
             raise
 
-    def report_dir(self, run_id: str) -> str:
-        return f"{self.root}/{REPORTS}/{run_id}"
+    def delete_attempt(self, run_id: str, attempt_id: str) -> None:
+        """Remove an unpublished attempt's rows from every data table (metadata-only: whole
+        partitions) and its report files."""
+        for name in DATA_TABLES:
+            self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}")
+        located = _filesystem(self.report_dir(run_id, attempt_id))
+        if located is not None:
+            filesystem, folder = located
+            if filesystem.get_file_info(folder).type == pafs.FileType.Directory:
+                filesystem.delete_dir(folder)
 
-    def write_report(self, run_id: str, files: dict[str, bytes]) -> None:
-        """The run's report files under <root>/reports/<run_id>/ (any filesystem pyarrow knows)."""
-        filesystem, folder = _filesystem(self.report_dir(run_id))
-        self._report_started = True
+    # -- reports ----------------------------------------------------------------------------------
+
+    def report_dir(self, run_id: str, attempt_id: str) -> str:
+        return f"{self.root}/{REPORTS}/{run_id}/{attempt_id}"
+
+    def write_report(self, run_id: str, attempt_id: str, files: dict[str, bytes]) -> None:
+        """The attempt's report files under <root>/reports/<run_id>/<attempt_id>/ (any filesystem pyarrow knows)."""
+        located = _filesystem(self.report_dir(run_id, attempt_id))
+        if located is None:
+            log.warning("no report written: pyarrow cannot write to %s", self.root)
+            return
+        filesystem, folder = located
         filesystem.create_dir(folder, recursive=True)
         for name, data in files.items():
             with filesystem.open_output_stream(f"{folder}/{name}") as out:
                 out.write(data)
-        log.info("wrote the report of run %s to %s", run_id, self.report_dir(run_id))
+        log.info("wrote the report of run %s to %s", run_id, folder)
 
-    def replace_runs(self, frames: dict[str, DataFrame], run_id: str) -> None:
-        """replace_run for several small tables at once: each commit is mostly fixed Delta overhead."""
-        with ThreadPoolExecutor(max_workers=len(frames)) as pool:
-            for future in [pool.submit(self.replace_run, name, df, run_id) for name, df in frames.items()]:
-                future.result()
+    def read_report(self, run_id: str, name: str = "report.json") -> bytes:
+        """A file of the report of a run's published attempt."""
+        rows = self.spark.sql(
+            f"SELECT attempt_id FROM ({PUBLISHED_ATTEMPTS.format(runs=self.source('runs'))}) WHERE run_id = '{run_id}'"
+        ).collect() if self.exists("runs") else []
+        located = _filesystem(f"{self.report_dir(run_id, rows[0].attempt_id)}/{name}") if rows else None
+        if located is None:
+            raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}")
+        filesystem, path = located
+        try:
+            with filesystem.open_input_stream(path) as stream:
+                return stream.read()
+        except FileNotFoundError:
+            raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}") from None
+
+    # -- readers' views ---------------------------------------------------------------------------
+
+    def _views(self, names: list[str], runs: str, table_of) -> dict[str, str]:
+        """View name -> query: every data table's published rows under its own name, and latest_<table>
+        for the newest succeeded run; runs itself as it is (every attempt, with its status)."""
+        views = {"runs": f"SELECT * FROM {runs}"}
+        for name in names:
+            views[name] = self.published_query(table_of(name), runs)
+            views[f"latest_{name}"] = self.published_query(table_of(name), runs, latest=True)
+        return views
 
     def register(self) -> None:
-        """Name the tables in the catalog as <database>.<table>, plus the view <database>.latest_labels."""
+        """With output.database: views <database>.labels, ..., <database>.latest_labels, ... over the
+        published attempts, and <database>.runs. The tables themselves stay unnamed (by path only),
+        so that nothing in the catalog shows an unpublished row."""
         if not self.database:
             return
         self.spark.sql(f"CREATE DATABASE IF NOT EXISTS {self.database}")
-        for name in TABLES:
-            if self.exists(name):
-                self.spark.sql(
-                    f"CREATE TABLE IF NOT EXISTS {self.database}.{name} USING DELTA LOCATION '{self.path(name)}'"
-                )
-        self.spark.sql(
-            f"CREATE OR REPLACE VIEW {self.database}.latest_labels AS "
-            + LATEST_LABELS.format(labels=f"{self.database}.labels", runs=f"{self.database}.runs")
-        )
+        for view, query in self._views(list(DATA_TABLES), self.source("runs"), self.source).items():
+            self.spark.sql(f"CREATE OR REPLACE VIEW {self.database}.{view} AS {query}")
 
     def register_views(self) -> list[str]:
-        """Temporary views named after the tables of this location, plus latest_labels; returns their names."""
-        names = [name for name in TABLES if self.exists(name)]
-        for name in names:
-            self.read(name).createOrReplaceTempView(name)
-        if {"labels", "runs"} <= set(names):
-            self.spark.sql(
-                "CREATE OR REPLACE TEMPORARY VIEW latest_labels AS " + LATEST_LABELS.format(labels="labels", runs="runs")
-            )
-            names.append("latest_labels")
-        return names
+        """Temporary views of this location (as register() names them); returns their names."""
+        if not self.exists("runs"):
+            return []
+        names = [name for name in DATA_TABLES if self.exists(name)]
+        views = self._views(names, self.source("runs"), self.source)
+        for view, query in views.items():
+            self.spark.sql(f"CREATE OR REPLACE TEMPORARY VIEW {view} AS {query}")
+        return list(views)

@@ -2,6 +2,7 @@
 
 input --> validate --> repartition(device) --> mapInArrow: alg. 1 per device --> local centers
       --> collect --> alg. 2 on the driver --> labelling function (broadcast) --> Delta tables
+      --> publish (one commit of the attempt's runs row; see kfed_spark.attempts)
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from pyspark.sql.types import (
     ArrayType,
     DoubleType,
     IntegerType,
+    FloatType,
     LongType,
-    MapType,
     NumericType,
     StringType,
     StructField,
     StructType,
-    TimestampType,
 )
 
 from kfed_spark.batches import (
@@ -43,10 +43,11 @@ from kfed_spark.batches import (
     label_moments,
     local_centers_from_batches,
 )
-from kfed_spark import report
+from kfed_spark import faults, report
+from kfed_spark.attempts import RUNS_SCHEMA, Attempt, Ledger, new_attempt_id
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
-from kfed_spark.errors import InputError, KFedError
-from kfed_spark.io import TABLES, OutputTables, absolute, read_input, read_side_table
+from kfed_spark.errors import ConfigError, InputError, KFedError
+from kfed_spark.io import TABLES, OutputTables, absolute, first_line, read_input, read_side_table
 from kfed_spark.kernels import ServerClustering, nearest_center, server_step
 from kfed_spark.metrics import ari_of, contingency, within_cluster_cost
 
@@ -57,39 +58,24 @@ REASON_COL = "__kfed_reason"
 DEVICE_K_COL = "__kfed_k"
 FEATURES_SOURCE = "kfed_features_source"
 """Metadata key of FEATURES_COL when it is the input's own features column under another name."""
-ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id")
+ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id", "attempt_id")
 RUN_ID_FIELD = StructField("run_id", StringType(), False)
 LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
+LOCAL_CENTER_FIELDS = [
+    StructField("local_cluster_id", IntegerType(), False),
+    StructField("center", ArrayType(DoubleType(), False), False),
+    StructField("n_points", LongType(), False),
+    StructField("sse", DoubleType(), False),
+]
+"""The fields of a local center after its device_id."""
+CENTERS_FIELDS = [
+    StructField("cluster_id", IntegerType(), False),
+    StructField("center", ArrayType(DoubleType(), False), False),
+    StructField("n_points", LongType(), False),
+    StructField("n_devices", LongType(), False),
+]
+CENTERS_COLUMNS = [f.name for f in CENTERS_FIELDS]
 DIMENSION_SAMPLE_ROWS = 10_000
-
-RUNS_SCHEMA = StructType(
-    [
-        StructField("run_id", StringType(), False),
-        StructField("parent_run_id", StringType(), True),
-        StructField("status", StringType(), False),
-        StructField("started_at", TimestampType(), False),
-        StructField("finished_at", TimestampType(), False),
-        StructField("input", StringType(), False),
-        StructField("k", IntegerType(), False),
-        StructField("k_per_device", StringType(), False),
-        StructField("seed", LongType(), False),
-        StructField("seeding", StringType(), False),
-        StructField("server_refine", StringType(), False),
-        StructField("label_mode", StringType(), False),
-        StructField("dim", IntegerType(), False),
-        StructField("n_input", LongType(), False),
-        StructField("n_labelled", LongType(), False),
-        StructField("n_quarantined", LongType(), False),
-        StructField("n_devices", LongType(), False),
-        StructField("n_local_centers", LongType(), False),
-        StructField("cost", DoubleType(), False),
-        StructField("ari", DoubleType(), True),
-        StructField("truth_cost", DoubleType(), True),
-        StructField("timings", MapType(StringType(), DoubleType()), False),
-        StructField("config", StringType(), False),
-        StructField("versions", MapType(StringType(), StringType()), False),
-    ]
-)
 
 
 @dataclass
@@ -97,6 +83,7 @@ class RunResult:
     """What a finished run reports; the same figures are in its row of the runs table."""
 
     run_id: str
+    attempt_id: str
     parent_run_id: str | None
     n_input: int
     n_labelled: int
@@ -124,30 +111,69 @@ class StageTimer:
 
 
 def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) -> RunResult:
-    """Cluster the configured input with k-FED and write this run's slice of every output table.
+    """Cluster the configured input with k-FED as a new attempt of the run id, and publish it.
 
-    With parent_run_id, nothing is fitted: the input is labelled with that finished run's model
+    Everything that can be checked is checked before anything is written. Then the attempt is
+    recorded as running, its rows are appended to every table, and one commit of its `runs` row
+    publishes it (kfed_spark.attempts). A failure, or SIGTERM, records it as failed instead.
+
+    With parent_run_id, nothing is fitted: the input is labelled with that published run's model
     (its local and global centers), devices it has not seen are clustered locally and joined to
     the nearest global centers, and the new run records its parent.
     """
     run_id = resolve_run_id(cfg)
+    if parent_run_id == run_id:
+        raise ConfigError(f"run {run_id!r} cannot take its own model: give the new run another run_id")
     started_at = datetime.now(timezone.utc)
     timer = StageTimer()
     tables = OutputTables(spark, cfg.output)
-
-    with timer.stage("read"):
+    with timer.stage("validate"):
         raw = read_input(spark, cfg.input)
-        tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
-        tables.check_schema("runs", RUNS_SCHEMA)
-    if parent_run_id is None:
-        clustering = fit(raw, cfg, timer)
-    else:
-        clustering = apply_run(raw, cfg, tables, parent_run_id, timer)
-    labelled = label_rows(clustering.checked, clustering.model, raw.schema, cfg.input.device_col, clustering.dim)
-    if cfg.on_bad_rows == "fail":
-        refuse_bad_rows(labelled)
-    with tables.undo_on_failure(run_id):
-        return write_run(spark, cfg, run_id, started_at, timer, tables, raw, clustering, labelled, parent_run_id)
+        parent = None if parent_run_id is None else stored_model(tables, parent_run_id)
+        checked, dim = validated(raw, cfg, None if parent is None else parent.dim)
+        check_device_ids(checked, cfg.input.device_col)
+        tables.prepare(output_schemas(raw.schema, cfg.input.device_col))
+        faults.point("created")
+    ledger = Ledger(tables)
+    row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
+    attempt = ledger.begin(row)
+    try:
+        faults.point("claimed")
+        if parent is None:
+            clustering = fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer)
+        else:
+            clustering = apply_model(checked, dim, cfg, parent, timer)
+        labelled = label_rows(clustering.checked, clustering.model, raw.schema, cfg.input.device_col, clustering.dim)
+        if cfg.on_bad_rows == "fail":
+            refuse_bad_rows(labelled)
+        result, cells = write_attempt(spark, cfg, attempt, timer, tables, raw, clustering, labelled, parent_run_id)
+        row.update(result_columns(result))
+        if cfg.report:
+            with timer.stage("report"):
+                tables.write_report(run_id, attempt.attempt_id, run_report(row, cfg, clustering, cells))
+            faults.point("report")
+        row.update(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
+        ledger.publish(attempt, row)
+    except BaseException as exc:
+        ledger.fail({**row, "timings": dict(timer.seconds)}, first_line(exc) if str(exc) else type(exc).__name__)
+        raise
+    log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, result.n_labelled, result.n_quarantined,
+             result.cost)
+    return result
+
+
+def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructType]:
+    """The schema of every output table for an input of this schema; each ends with (run_id, attempt_id)."""
+    device = StructField("device_id", raw_schema[device_col].dataType, False)
+    tagged = [RUN_ID_FIELD, StructField("attempt_id", StringType(), False)]
+    return {
+        "labels": StructType(labelled_fields(raw_schema) + tagged),
+        "centers": StructType(CENTERS_FIELDS + tagged),
+        "local_centers": StructType([device, *LOCAL_CENTER_FIELDS, StructField("cluster_id", IntegerType(), False),
+                                     *tagged]),
+        "quarantine": StructType(list(raw_schema.fields) + [StructField("reason", StringType(), False), *tagged]),
+        "runs": RUNS_SCHEMA,
+    }
 
 
 @dataclass(frozen=True)
@@ -170,11 +196,16 @@ def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None) -> Clu
     timer = timer or StageTimer()
     with timer.stage("validate"):
         checked, dim = validated(raw, cfg)
+    return fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer)
+
+
+def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, timer: StageTimer) -> Clustering:
+    """fit() on an input that validated() has prepared."""
     valid = checked.filter(F.col(REASON_COL).isNull())
     with timer.stage("local_step"):
-        local = collect_local_centers(valid, cfg, dim, raw.schema[cfg.input.device_col].dataType)
+        local = collect_local_centers(valid, cfg, dim, device_type)
     if len(local.counts) == 0:
-        raise InputError(f"no row of the input can be clustered (all {raw.count()} rows are bad; see quarantine)")
+        raise InputError(f"no row of the input can be clustered (all {checked.count()} rows are bad; see quarantine)")
     with timer.stage("server_step"):
         try:
             server = server_step(
@@ -192,27 +223,44 @@ def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None) -> Clu
     return Clustering(checked, dim, local, server, model)
 
 
-def apply_run(raw: DataFrame, cfg: KFedConfig, tables: OutputTables, parent_run_id: str,
-              timer: StageTimer) -> Clustering:
-    """The model of a finished run, extended by the input's devices that it has not seen."""
-    with timer.stage("validate"):
-        centers_rows = tables.read("centers").filter(F.col("run_id") == parent_run_id).orderBy("cluster_id").toArrow()
-        if centers_rows.num_rows == 0:
-            raise KFedError(f"no finished run {parent_run_id!r} under {tables.root}")
-        centers = np.array(centers_rows.column("center").to_pylist(), dtype=np.float64)
-        stored = (
-            tables.read("local_centers").filter(F.col("run_id") == parent_run_id)
-            .select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
-        )
-        checked, dim = validated(raw, cfg, centers.shape[1])
+@dataclass(frozen=True)
+class StoredModel:
+    """A published run's model as its tables hold it: global centers, local centers and their clusters."""
+
+    centers: np.ndarray
+    local: pa.Table
+    assignment: np.ndarray
+
+    @property
+    def dim(self) -> int:
+        return self.centers.shape[1]
+
+
+def stored_model(tables: OutputTables, run_id: str) -> StoredModel:
+    """The model of a published run, or a one-line error if the location has no published run of that id."""
+    if not tables.check_log("runs") or not tables.check_log("centers"):
+        raise KFedError(f"no published run {run_id!r} under {tables.root}")
+    this_run = F.col("run_id") == run_id
+    centers_rows = tables.published("centers").filter(this_run).orderBy("cluster_id").toArrow()
+    if centers_rows.num_rows == 0:
+        raise KFedError(f"no published run {run_id!r} under {tables.root}")
+    stored = tables.published("local_centers").filter(this_run).select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
+    return StoredModel(
+        np.array(centers_rows.column("center").to_pylist(), dtype=np.float64),
+        stored.select(LOCAL_CENTER_COLUMNS),
+        stored.column("cluster_id").to_numpy(),
+    )
+
+
+def apply_model(checked: DataFrame, dim: int, cfg: KFedConfig, parent: StoredModel, timer: StageTimer) -> Clustering:
+    """A published run's model, extended by the input's devices that it has not seen."""
     valid = checked.filter(F.col(REASON_COL).isNull())
     with timer.stage("local_step"):
         local, assignment = extend_with_new_devices(
-            valid, cfg, dim, LocalCenters.from_arrow(stored.select(LOCAL_CENTER_COLUMNS), dim),
-            stored.column("cluster_id").to_numpy(), centers,
+            valid, cfg, dim, LocalCenters.from_arrow(parent.local, dim), parent.assignment, parent.centers
         )
-    server = ServerClustering(centers, assignment, seed_device=None, refine_iterations=0)
-    model = LabelModel.build(local.devices, local.ids, local.centers, assignment, centers, cfg.label_mode)
+    server = ServerClustering(parent.centers, assignment, seed_device=None, refine_iterations=0)
+    model = LabelModel.build(local.devices, local.ids, local.centers, assignment, parent.centers, cfg.label_mode)
     return Clustering(checked, dim, local, server, model)
 
 
@@ -235,20 +283,23 @@ def extend_with_new_devices(
     return LocalCenters.from_arrow(table, dim), np.concatenate([assignment, nearest_center(new.centers, centers)[0]])
 
 
-def write_run(
+def write_attempt(
     spark: SparkSession,
     cfg: KFedConfig,
-    run_id: str,
-    started_at: datetime,
+    attempt: Attempt,
     timer: StageTimer,
     tables: OutputTables,
     raw: DataFrame,
     clustering: Clustering,
     labelled: DataFrame,
     parent_run_id: str | None,
-) -> RunResult:
-    """Write every table's slice of the run, the runs row last, and check that no row was lost."""
+) -> tuple[RunResult, np.ndarray | None]:
+    """Append the attempt's rows to every data table, check that no row was lost, and evaluate
+    against the truth column; returns the figures and the truth contingency table (or None)."""
     local, server, dim = clustering.local, clustering.server, clustering.dim
+    run_id, attempt_id = attempt.run_id, attempt.attempt_id
+    schemas = output_schemas(raw.schema, cfg.input.device_col)
+    tag = [F.lit(run_id).alias("run_id"), F.lit(attempt_id).alias("attempt_id")]
     with timer.stage("labels"):
         counted = Observation("kfed_rows")
         labels = (
@@ -259,36 +310,29 @@ def write_run(
                 F.sum(SQ_DIST_COL).alias("cost"),
             )
             .filter(F.col(REASON_COL).isNull())
-            .drop(SQ_DIST_COL, REASON_COL)
-            .withColumn("run_id", F.lit(run_id))
+            .select(*[F.col(f.name) for f in labelled_fields(raw.schema)], *tag)
         )
-        tables.replace_run("labels", labels, run_id)
-        if cfg.inject_failure == "after_labels":
-            raise KFedError("injected failure after the labels commit (inject_failure: after_labels)")
+        tables.append({"labels": labels}, run_id, attempt_id)
+        faults.point("labels")
         n_quarantined = int(counted.get["bad"])
         n_labelled = int(counted.get["rows"]) - n_quarantined
         cost = float(counted.get["cost"] or 0.0)
 
     with timer.stage("other_tables"):
-        quarantine_schema = StructType(list(raw.schema.fields) + [StructField("reason", StringType(), False), RUN_ID_FIELD])
+        local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
+        frames = {
+            "local_centers": conform(spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2])
+            .select("*", *tag),
+            "centers": centers_frame(spark, server, local).select(*CENTERS_COLUMNS, *tag),
+        }
         if n_quarantined:  # a second labelling pass, only for dirty inputs
-            quarantine = (
+            frames["quarantine"] = (
                 labelled.filter(F.col(REASON_COL).isNotNull())
                 .withColumnRenamed(REASON_COL, "reason")
-                .withColumn("run_id", F.lit(run_id))
-                .select(quarantine_schema.fieldNames())
+                .select(*raw.columns, "reason", *tag)
             )
-        else:
-            quarantine = spark.createDataFrame([], quarantine_schema)
-        local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
-        tables.replace_runs(
-            {
-                "quarantine": quarantine,
-                "local_centers": spark.createDataFrame(local_with_cluster).withColumn("run_id", F.lit(run_id)),
-                "centers": centers_frame(spark, server, local, run_id),
-            },
-            run_id,
-        )
+        tables.append(frames, run_id, attempt_id)
+        faults.point("tables")
 
     n_input = raw.count()
     if n_input != n_labelled + n_quarantined:
@@ -298,12 +342,14 @@ def write_run(
     ari = truth_cost = cells = None
     if cfg.input.truth_col:
         with timer.stage("evaluate"):
-            cells = truth_contingency(tables.read("labels").filter(F.col("run_id") == run_id), cfg.input.truth_col)
+            written = tables.read("labels").filter(f"run_id = '{run_id}' AND attempt_id = '{attempt_id}'")
+            cells = truth_contingency(written, cfg.input.truth_col)
             ari = ari_of(cells)
             truth_cost = planted_cost(clustering.valid, cfg.input.truth_col, dim)
 
     result = RunResult(
         run_id=run_id,
+        attempt_id=attempt_id,
         parent_run_id=parent_run_id,
         n_input=n_input,
         n_labelled=n_labelled,
@@ -317,37 +363,28 @@ def write_run(
         output_path=tables.root,
         timings=timer.seconds,
     )
-    summary = run_summary(cfg, result, started_at)
-    tables.replace_run("runs", spark.createDataFrame([summary], RUNS_SCHEMA), run_id)
-    if cfg.report:
-        with timer.stage("report"):
-            tables.write_report(run_id, run_report(summary, cfg, clustering, cells))
-    tables.register()
-    log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, n_labelled, n_quarantined, cost)
-    return result
+    return result, cells
 
 
 def plan(spark: SparkSession, cfg: KFedConfig) -> str:
     """What `run` would do, checked against the input's schema and the output tables; writes nothing."""
     raw = read_input(spark, cfg.input)
     tables = OutputTables(spark, cfg.output)
-    tables.check_schema("labels", StructType(labelled_fields(raw.schema) + [RUN_ID_FIELD]))
-    tables.check_schema("runs", RUNS_SCHEMA)
     _, dim = validated(raw, cfg)
-    features = cfg.input.features_col
-    existing = [name for name in TABLES if tables.exists(name)]
+    existing = [name for name, schema in output_schemas(raw.schema, cfg.input.device_col).items()
+                if tables.check_log(name) and tables.check_schema(name, schema) is None]
     return "\n".join(
         [
             f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
             f"  columns: {', '.join(f'{f.name} {f.dataType.simpleString()}' for f in raw.schema.fields)}",
-            f"  device column: {cfg.input.device_col}; features: {features} (dimension {dim})",
+            f"  device column: {cfg.input.device_col}; features: {cfg.input.features_col} (dimension {dim})",
             f"k-FED: k = {cfg.k}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
             f"seeding = {cfg.seeding}, server_refine = {cfg.server_refine}, label_mode = {cfg.label_mode}, "
             f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
             f"run id: {cfg.run_id or '(from the start time)'}",
             f"output: {tables.root}/{{{','.join(TABLES)}}}"
             + (f" (existing: {', '.join(existing)})" if existing else " (new)")
-            + (f"; registered as {cfg.output.database}.*" if cfg.output.database else ""),
+            + (f"; published views in {cfg.output.database}.*" if cfg.output.database else ""),
             "dry run: nothing was written",
         ]
     )
@@ -361,7 +398,7 @@ def refuse_bad_rows(labelled: DataFrame) -> None:
         total = sum(count for _, count in counts)
         raise InputError(
             f"{total} bad input rows ({', '.join(f'{reason}: {count}' for reason, count in counts)}) "
-            "and on_bad_rows is 'fail'; nothing was written"
+            "and on_bad_rows is 'fail'; nothing of this run was published"
         )
 
 
@@ -377,6 +414,10 @@ def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[
     columns = set(raw.columns)
     if inp.device_col not in columns:
         raise InputError(f"input has no device column {inp.device_col!r}; columns: {', '.join(raw.columns)}")
+    if inp.truth_col is not None and inp.truth_col not in columns:
+        raise InputError(f"input has no truth column {inp.truth_col!r} (input.truth_col); columns: {', '.join(raw.columns)}")
+    if isinstance(cfg.k_per_device, str) and cfg.k_per_device != "auto" and cfg.k_per_device not in columns:
+        k_side_table(raw.sparkSession, cfg.k_per_device, inp.device_col)
     clashes = [c for c in (*ADDED_COLUMNS, FEATURES_COL, REASON_COL) if c in columns]
     if clashes:
         raise InputError(f"input already has column(s) {', '.join(clashes)}, which the output adds; rename them")
@@ -400,6 +441,18 @@ def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[
         .when(F.size(feature) != dim, F.lit(f"wrong_dimension (expected {dim})"))
     )
     return prepared.withColumn(REASON_COL, reason), dim
+
+
+def check_device_ids(checked: DataFrame, device_col: str) -> None:
+    """Refuse device ids that are NaN (a floating-point device column) or null in every row."""
+    device = F.col(device_col)
+    if isinstance(checked.schema[device_col].dataType, (DoubleType, FloatType)):
+        n_nan = checked.filter(F.isnan(device)).count()
+        if n_nan:
+            raise InputError(f"device column {device_col!r} is NaN in {n_nan} rows; device ids must be strings or "
+                             "whole numbers")
+    if checked.filter(device.isNotNull()).isEmpty():
+        raise InputError(f"the device column {device_col!r} is null in every row")
 
 
 def table_dimension(raw: DataFrame, prepared: DataFrame) -> int:
@@ -476,17 +529,9 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
         to_arrow_type(device_type),
         cfg.max_rows_per_device,
         k_source="fixed" if fixed else "auto" if cfg.k_per_device == "auto" else "column",
-        fail_first_attempt=cfg.inject_failure == "local_step_first_attempt",
+        fail_first_attempt=faults.requested("fail_first_attempt"),
     )
-    schema = StructType(
-        [
-            StructField("device_id", device_type, False),
-            StructField("local_cluster_id", IntegerType(), False),
-            StructField("center", ArrayType(DoubleType(), False), False),
-            StructField("n_points", LongType(), False),
-            StructField("sse", DoubleType(), False),
-        ]
-    )
+    schema = StructType([StructField("device_id", device_type, False), *LOCAL_CENTER_FIELDS])
     rows = local_step_rows(valid, cfg)
     partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
     shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
@@ -504,13 +549,7 @@ def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:
         if source in valid.columns:
             rows = valid.select(device_col, FEATURES_COL, F.col(source).alias(DEVICE_K_COL))
         else:
-            side = read_side_table(valid.sparkSession, source)
-            if device_col not in side.columns or "k" not in side.columns:
-                raise InputError(
-                    f"k_per_device {source!r} is neither a column of the input nor a table with columns "
-                    f"{device_col!r} and 'k' (its columns: {', '.join(side.columns)})"
-                )
-            side = side.select(device_col, F.col("k").alias(DEVICE_K_COL))
+            side = k_side_table(valid.sparkSession, source, device_col).select(device_col, F.col("k").alias(DEVICE_K_COL))
             rows = rows.join(F.broadcast(side), device_col, "left")
         if not isinstance(rows.schema[DEVICE_K_COL].dataType, NumericType):
             raise InputError(f"k_per_device column {source!r} is not numeric")
@@ -523,6 +562,27 @@ def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:
             )
         rows = rows.withColumn(DEVICE_K_COL, k_z.cast("int"))
     return rows.withColumnRenamed(device_col, "device_id")
+
+
+def k_side_table(spark: SparkSession, source: str, device_col: str) -> DataFrame:
+    """The side table that k_per_device names, checked to hold the device column and `k`."""
+    side = read_side_table(spark, source)
+    if device_col not in side.columns or "k" not in side.columns:
+        raise InputError(
+            f"k_per_device {source!r} is neither a column of the input nor a table with columns "
+            f"{device_col!r} and 'k' (its columns: {', '.join(side.columns)})"
+        )
+    return side
+
+
+def conform(df: DataFrame, fields: list[StructField]) -> DataFrame:
+    """df's columns in the order of `fields`, cast where the type differs (an Arrow table built on the
+    driver holds int64 where a table holds int; nullability is left as it is)."""
+    return df.select(*[
+        F.col(f.name) if df.schema[f.name].dataType.simpleString() == f.dataType.simpleString()
+        else F.col(f.name).cast(f.dataType)
+        for f in fields
+    ])
 
 
 def labelled_fields(raw_schema: StructType) -> list[StructField]:
@@ -545,23 +605,14 @@ def label_rows(rows: DataFrame, model: LabelModel, raw_schema: StructType, devic
     )
 
 
-def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCenters, run_id: str) -> DataFrame:
+def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCenters) -> DataFrame:
     k = len(server.centers)
     n_points = np.bincount(server.assignment, weights=local.counts, minlength=k).astype(np.int64)
     device_index = np.unique(local.devices, return_inverse=True)[1]
     cluster_device_pairs = np.unique(np.stack([server.assignment, device_index]), axis=1)
     n_devices = np.bincount(cluster_device_pairs[0], minlength=k)
-    schema = StructType(
-        [
-            StructField("run_id", StringType(), False),
-            StructField("cluster_id", IntegerType(), False),
-            StructField("center", ArrayType(DoubleType(), False), False),
-            StructField("n_points", LongType(), False),
-            StructField("n_devices", LongType(), False),
-        ]
-    )
-    rows = [(run_id, c, server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
-    return spark.createDataFrame(rows, schema)
+    rows = [(c, server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
+    return spark.createDataFrame(rows, StructType(CENTERS_FIELDS))
 
 
 def truth_contingency(labels: DataFrame, truth_col: str) -> np.ndarray:
@@ -615,15 +666,16 @@ def planted_cost(valid: DataFrame, truth_col: str, dim: int) -> float:
     return within_cluster_cost(counts, sums, squared_norms)
 
 
-def run_summary(cfg: KFedConfig, result: RunResult, started_at: datetime) -> dict:
-    """The run's row of the runs table (and the head of its report)."""
+def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: str | None,
+                started_at: datetime) -> dict:
+    """The attempt's row of the runs table with its settings; result_columns() adds the figures."""
     inp = cfg.input
     return {
-        "run_id": result.run_id,
-        "parent_run_id": result.parent_run_id,
-        "status": "succeeded",
+        "run_id": run_id,
+        "attempt_id": attempt_id,
+        "parent_run_id": parent_run_id,
         "started_at": started_at,
-        "finished_at": datetime.now(timezone.utc),
+        "finished_at": None,
         "input": inp.table or f"{inp.format}:{inp.path}",
         "k": cfg.k,
         "k_per_device": str(cfg.k_per_device),
@@ -631,16 +683,16 @@ def run_summary(cfg: KFedConfig, result: RunResult, started_at: datetime) -> dic
         "seeding": cfg.seeding,
         "server_refine": cfg.server_refine,
         "label_mode": cfg.label_mode,
-        "dim": result.dim,
-        "n_input": result.n_input,
-        "n_labelled": result.n_labelled,
-        "n_quarantined": result.n_quarantined,
-        "n_devices": result.n_devices,
-        "n_local_centers": result.n_local_centers,
-        "cost": result.cost,
-        "ari": result.ari,
-        "truth_cost": result.truth_cost,
-        "timings": result.timings,
+        **{name: None for name in RESULT_COLUMNS},
+        "timings": {},
         "config": json.dumps(as_dict(cfg), sort_keys=True),
         "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},
     }
+
+
+RESULT_COLUMNS = ("dim", "n_input", "n_labelled", "n_quarantined", "n_devices", "n_local_centers", "cost", "ari",
+                  "truth_cost")
+
+
+def result_columns(result: RunResult) -> dict:
+    return {name: getattr(result, name) for name in RESULT_COLUMNS}

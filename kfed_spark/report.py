@@ -166,7 +166,7 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
 def _lines(report: dict) -> list[tuple[str, str]]:
     """(name, value) pairs of the summary, in reading order: what the HTML table and the terminal show."""
     lines = [
-        ("run", f"{report['run_id']} ({report['status']})"),
+        ("run", f"{report['run_id']} (attempt {report['attempt_id']})"),
         ("input", str(report["input"])),
         ("rows", f"{report['n_input']} in, {report['n_labelled']} labelled, {report['n_quarantined']} quarantined"),
         ("devices", f"{report['n_devices']} devices, {report['n_local_centers']} local centers"),

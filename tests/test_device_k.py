@@ -7,6 +7,8 @@ from kfed_spark.cli import main
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.synthetic import write_mixture
 
+from helpers import published
+
 VARIED = dict(k=12, k_per_device=(1, 5), devices=40, points_per_device=150, dim=16, seed=5)
 
 
@@ -27,8 +29,8 @@ def run_varied(varied_path, out, k_per_device, *extra):
 
 
 def local_counts_and_ari(spark, out):
-    local = spark.read.format("delta").load(f"{out}/local_centers").groupBy("device_id").count()
-    labels = spark.read.format("delta").load(f"{out}/labels")
+    local = published(spark, out, "local_centers").groupBy("device_id").count()
+    labels = published(spark, out, "labels")
     held = labels.select("device_id", "clusters_held").distinct()
     found = {row.device_id: (row["count"], row.clusters_held) for row in local.join(held, "device_id").collect()}
     cells = labels.groupBy("true_cluster", "cluster_id").count().toPandas()

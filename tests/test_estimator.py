@@ -12,6 +12,7 @@ from kfed_spark.estimator import KFed, KFedModel
 from kfed_spark.metrics import adjusted_rand_index
 
 from conftest import MIXTURE
+from helpers import published, runs_of
 from test_job import labels_of, run_cli
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
@@ -43,9 +44,9 @@ def test_fit_transform_equals_the_cli_run(spark, config, tmp_path, mixture_path)
     np.testing.assert_array_equal(got.prediction.to_numpy(), expected.cluster_id.to_numpy())
     np.testing.assert_array_equal(got.local_prediction.to_numpy(), expected.local_cluster_id.to_numpy())
 
-    centers = spark.read.format("delta").load(str(tmp_path / "out" / "centers")).orderBy("cluster_id").toPandas()
+    centers = published(spark, tmp_path / "out", "centers").orderBy("cluster_id").toPandas()
     np.testing.assert_allclose(np.stack(model.clusterCenters()), np.stack(centers.center.to_numpy()))
-    run = spark.read.format("delta").load(str(tmp_path / "out" / "runs")).first()
+    run = runs_of(spark, tmp_path / "out")[0]
     assert model.summary.trainingCost == pytest.approx(run.cost, rel=1e-9)
     assert sum(model.summary.clusterSizes) == N_ROWS and model.summary.numDevices == MIXTURE["devices"]
     assert model.localCenters.count() == run.n_local_centers
@@ -117,7 +118,7 @@ def test_assign_labels_new_input_with_a_finished_runs_model(spark, config, tmp_p
     assert main(args) == 0
 
     out = tmp_path / "out"
-    runs = spark.read.format("delta").load(str(out / "runs")).orderBy("run_id").collect()
+    runs = sorted(runs_of(spark, out), key=lambda r: r.run_id)
     assert [(r.run_id, r.parent_run_id) for r in runs] == [("assigned", "first"), ("first", None)]
     assert runs[0].n_labelled == N_ROWS and runs[0].n_devices == MIXTURE["devices"]
     assigned = by_row(labels_of(spark, out, "assigned"), "device_id", "true_cluster", "cluster_id")
@@ -126,7 +127,7 @@ def test_assign_labels_new_input_with_a_finished_runs_model(spark, config, tmp_p
     np.testing.assert_array_equal(known.cluster_id.to_numpy(), first.cluster_id.to_numpy())
     fresh = assigned[assigned.device_id >= 45]
     assert adjusted_rand_index(fresh.true_cluster, fresh.cluster_id) >= 0.95
-    centers = spark.read.format("delta").load(str(out / "centers"))
+    centers = published(spark, out, "centers")
     same = centers.filter("run_id = 'assigned'").orderBy("cluster_id").select("center").collect()
     assert same == centers.filter("run_id = 'first'").orderBy("cluster_id").select("center").collect()
 
@@ -134,4 +135,4 @@ def test_assign_labels_new_input_with_a_finished_runs_model(spark, config, tmp_p
 def test_assign_from_a_missing_run_is_a_clear_error(spark, config, tmp_path, capsys):
     assert run_cli(config) == 0
     assert main(["assign", "--model-run", "nope", "--config", str(config), "--set", "run_id=x"]) == 2
-    assert capsys.readouterr().err.strip() == f"kfed-spark: error: no finished run 'nope' under {tmp_path / 'out'}"
+    assert capsys.readouterr().err.strip() == f"kfed-spark: error: no published run 'nope' under {tmp_path / 'out'}"

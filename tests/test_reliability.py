@@ -8,10 +8,12 @@ import pyarrow.parquet as pq
 from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
+from kfed_spark.faults import FAULT_ENV
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.session import delta_package
 
 from conftest import MIXTURE
+from helpers import published, runs_of
 from test_job import ROOT, labels_of, run_cli, write_empty_config
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
@@ -27,7 +29,7 @@ def dirty_input(spark, path):
     spark.createDataFrame(rows, "row_id long, device_id string, features array<double>").write.parquet(str(path))
 
 
-def test_on_bad_rows_fail_names_reasons_and_counts_and_writes_nothing(spark, tmp_path, capsys):
+def test_on_bad_rows_fail_names_reasons_and_counts_and_publishes_nothing(spark, tmp_path, capsys):
     dirty_input(spark, tmp_path / "dirty")
     args = ["run", "--config", str(write_empty_config(tmp_path))]
     for item in [f"input.path={tmp_path / 'dirty'}", f"output.path={tmp_path / 'out'}", "k=2", "k_per_device=2",
@@ -36,16 +38,17 @@ def test_on_bad_rows_fail_names_reasons_and_counts_and_writes_nothing(spark, tmp
     assert main(args) == 2
     assert capsys.readouterr().err.strip() == (
         "kfed-spark: error: 3 bad input rows (non_finite_value: 2, null_device: 1) and on_bad_rows is 'fail'; "
-        "nothing was written"
+        "nothing of this run was published"
     )
-    assert not (tmp_path / "out").exists()
+    assert published(spark, tmp_path / "out", "labels").count() == 0
+    assert [(r.status, r.rows_removed) for r in runs_of(spark, tmp_path / "out")] == [("failed", True)]
 
 
 def test_null_values_inside_features_are_quarantined(spark, tmp_path):
     dirty_input(spark, tmp_path / "dirty")
     assert main(["run", "--config", str(write_empty_config(tmp_path)), "--set", f"input.path={tmp_path / 'dirty'}",
                  "--set", f"output.path={tmp_path / 'out'}", "--set", "k=2", "--set", "run_id=r"]) == 0
-    quarantine = spark.read.format("delta").load(str(tmp_path / "out" / "quarantine")).toPandas()
+    quarantine = published(spark, tmp_path / "out", "quarantine").toPandas()
     assert dict(zip(quarantine.row_id, quarantine.reason)) == {
         5: "null_device", 6: "non_finite_value", 7: "non_finite_value"
     }
@@ -92,31 +95,37 @@ def test_partitioning_and_row_order_do_not_change_labels(spark, config, tmp_path
     assert sorted_labels(spark, tmp_path / "out_one") == expected
 
 
-def test_a_failure_after_the_labels_commit_leaves_no_partial_run(spark, config, tmp_path, capsys):
+def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     assert run_cli(config) == 0
     before = sorted_labels(spark, out)
-    assert run_cli(config, "run_id=second", "inject_failure=after_labels") == 2
-    assert "injected failure after the labels commit" in capsys.readouterr().err
-    for name in ("labels", "runs", "centers", "local_centers", "quarantine"):
-        table = spark.read.format("delta").load(str(out / name))
-        assert table.filter(F.col("run_id") == "second").count() == 0, name
-    # A failed re-run of an existing run id gives back that run's previous rows.
-    assert run_cli(config, "seed=12", "inject_failure=after_labels") == 2
+    monkeypatch.setenv(FAULT_ENV, "fail:labels")
+    assert run_cli(config, "run_id=second") == 2
+    assert capsys.readouterr().err.strip().endswith("kfed-spark: error: injected failure at labels")
+    for name in ("labels", "centers", "local_centers", "quarantine"):
+        assert published(spark, out, name).filter(F.col("run_id") == "second").count() == 0, name
+        assert spark.read.format("delta").load(str(out / name)).filter(F.col("run_id") == "second").count() == 0
+    # A failed re-run of an existing run id leaves that run's published rows as they were.
+    assert run_cli(config, "seed=12") == 2
     assert sorted_labels(spark, out) == before
-    assert spark.read.format("delta").load(str(out / "runs")).count() == 1
+    assert [(r.run_id, r.status, r.error) for r in runs_of(spark, out)] == [
+        ("first", "succeeded", None), ("second", "failed", "injected failure at labels"),
+        ("first", "failed", "injected failure at labels")]
 
 
 def test_a_retried_local_step_gives_the_same_labels(spark, config, tmp_path):
     """Every local-step task fails once; Spark retries it (local[2,4]); labels equal an undisturbed run."""
+    import os
+
     from pyspark.find_spark_home import _find_spark_home
 
     assert run_cli(config) == 0
     submit = [str(_find_spark_home() + "/bin/spark-submit"), "--master", "local[2,4]", "--packages", delta_package(),
               "--conf", "spark.ui.enabled=false", "--conf", "spark.databricks.delta.snapshotPartitions=2",
               "--conf", "spark.sql.shuffle.partitions=2", str(ROOT / "jobs" / "kfed_job.py"), "--config", str(config),
-              "--set", f"output.path={tmp_path / 'retried'}", "--set", "inject_failure=local_step_first_attempt"]
-    result = subprocess.run(submit, capture_output=True, text=True, check=False, timeout=600)
+              "--set", f"output.path={tmp_path / 'retried'}"]
+    env = {**os.environ, FAULT_ENV: "fail_first_attempt"}
+    result = subprocess.run(submit, capture_output=True, text=True, check=False, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "injected failure in the first attempt of local-step task" in result.stderr
     assert sorted_labels(spark, tmp_path / "retried") == sorted_labels(spark, tmp_path / "out")

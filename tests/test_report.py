@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from kfed_spark.cli import main
+from kfed_spark.faults import FAULT_ENV
 from kfed_spark.datasets import default_data_dir, hashed_ngram_tfidf, load
 
 from conftest import MIXTURE
+from helpers import published, report_folder, runs_of
 
 
 class PageParser(HTMLParser):
@@ -37,8 +39,10 @@ class PageParser(HTMLParser):
 def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, config, tmp_path, capsys):
     assert main(["run", "--config", str(config)]) == 0
     out = tmp_path / "out"
-    report = json.loads((out / "reports" / "first" / "report.json").read_text())
-    run = spark.read.format("delta").load(str(out / "runs")).first()
+    folder = report_folder(out, "first")
+    report = json.loads((folder / "report.json").read_text())
+    run = runs_of(spark, out)[0]
+    assert folder.name == run.attempt_id
     n_rows = MIXTURE["devices"] * MIXTURE["points_per_device"]
     assert (report["n_input"], report["n_labelled"], report["n_devices"]) == (n_rows, n_rows, MIXTURE["devices"])
     assert sum(report["cluster_sizes"]) == n_rows and len(report["cluster_sizes"]) == MIXTURE["k"]
@@ -47,11 +51,11 @@ def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, config, tm
     assert report["k_z"]["max"] <= MIXTURE["k_per_device"]
     assert sum(report["k_z"]["devices_by_value"].values()) == MIXTURE["devices"]
     assert 0.3 < report["silhouette"]["value"] <= 1.0  # separated blobs
-    labels = spark.read.format("delta").load(str(out / "labels"))
+    labels = published(spark, out, "labels")
     sizes = labels.groupBy("cluster_id").count().orderBy("cluster_id").toPandas()["count"].tolist()
     assert report["cluster_sizes"] == sizes
 
-    page = (out / "reports" / "first" / "report.html").read_text()
+    page = (folder / "report.html").read_text()
     parser = PageParser()
     parser.feed(page)
     parser.close()
@@ -67,7 +71,7 @@ def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, config, tm
     text = capsys.readouterr().out
     assert f"{n_rows} in, {n_rows} labelled, 0 quarantined" in text and "NMI" in text
     assert main(["report", "missing", "--output", str(out)]) == 2
-    assert "no report of run 'missing'" in capsys.readouterr().err
+    assert "no report of a published run 'missing'" in capsys.readouterr().err
 
 
 def test_report_can_be_turned_off(config, tmp_path):
@@ -75,9 +79,20 @@ def test_report_can_be_turned_off(config, tmp_path):
     assert not (tmp_path / "out" / "reports").exists()
 
 
-def test_a_run_that_fails_leaves_no_report(config, tmp_path):
-    assert main(["run", "--config", str(config), "--set", "inject_failure=after_labels"]) == 2
-    assert not (tmp_path / "out" / "reports" / "first").exists()
+def test_a_failed_report_fails_the_attempt_and_a_failed_attempt_leaves_no_report(config, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """The report is written before the publish commit: a failure there (or later, before the
+    publish) fails the attempt, deletes its report and publishes nothing; the earlier report stays."""
+    out = tmp_path / "out"
+    assert main(["run", "--config", str(config)]) == 0
+    published_report = (report_folder(out, "first") / "report.json").read_bytes()
+    monkeypatch.setenv(FAULT_ENV, "fail:report")
+    assert main(["run", "--config", str(config), "--set", "seed=5"]) == 2
+    assert [p.name for p in (out / "reports" / "first").iterdir()] == [report_folder(out, "first").name]
+    monkeypatch.delenv(FAULT_ENV)
+    capsys.readouterr()
+    assert main(["report", "first", "--output", str(out), "--json"]) == 0
+    assert capsys.readouterr().out.strip() == published_report.decode().strip()
 
 
 def test_real_datasets_load_as_device_tables():

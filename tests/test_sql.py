@@ -21,6 +21,8 @@ def test_sql_command_queries_the_tables_and_the_latest_run(spark, config, tmp_pa
     assert printed == ["run_id", "clusters", "n", "second", "6", str(N_ROWS)]
     assert main(["sql", "SELECT count(*) AS runs FROM runs", "--config", str(config)]) == 0
     assert capsys.readouterr().out.split() == ["runs", "2"]
+    assert main(["sql", "SELECT count(*) AS n FROM labels", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.split() == ["n", str(2 * N_ROWS)]
 
 
 def test_sql_without_tables_is_a_clear_error(spark, tmp_path, capsys):
@@ -35,15 +37,26 @@ def test_catalog_gets_a_latest_labels_view(spark, config, tmp_path):
     assert [r.run_id for r in rows] == ["later"]
 
 
-def test_duckdb_reads_the_labels_through_delta_rs(spark, config, tmp_path):
-    """Without Spark: delta-rs opens the table, DuckDB queries it through Arrow."""
+def test_duckdb_reads_the_published_labels_through_delta_rs(spark, config, tmp_path, monkeypatch):
+    """Without Spark: delta-rs opens the tables, DuckDB keeps the published attempts (the README's recipe)."""
     assert run_cli(config) == 0
-    labels = DeltaTable(str(tmp_path / "out" / "labels")).to_pyarrow_dataset()
-    counts = duckdb.connect().sql(
-        "SELECT cluster_id, count(*) AS n FROM labels WHERE run_id = 'first' GROUP BY ALL ORDER BY cluster_id"
+    assert run_cli(config, "k=6") == 0  # a second attempt of the run id: the first is superseded
+    monkeypatch.chdir(tmp_path)
+    labels = DeltaTable("out/labels").to_pyarrow_dataset()
+    runs = DeltaTable("out/runs").to_pyarrow_dataset()
+    duckdb.sql(PUBLISHED_LABELS)  # the view the README defines
+    counts = duckdb.sql(
+        "SELECT cluster_id, count(*) AS n FROM published_labels WHERE run_id = 'first' GROUP BY ALL ORDER BY cluster_id"
     ).fetchall()
-    assert [c for c, _ in counts] == list(range(MIXTURE["k"])) and sum(n for _, n in counts) == N_ROWS
-    assert labels.count_rows() == N_ROWS
+    assert [c for c, _ in counts] == list(range(6)) and sum(n for _, n in counts) == N_ROWS
+    assert labels.count_rows() == 2 * N_ROWS  # the raw table still holds the superseded attempt
+
+
+PUBLISHED_LABELS = """
+CREATE OR REPLACE VIEW published_labels AS
+SELECT * FROM labels WHERE (run_id, attempt_id) IN (
+  SELECT run_id, max_by(attempt_id, publish_seq) FROM runs WHERE status = 'succeeded' GROUP BY run_id)
+"""
 
 
 def test_dry_run_checks_and_prints_the_plan_without_writing(spark, config, tmp_path, capsys):

@@ -1,0 +1,259 @@
+"""Attempts of a run, and how one is published: write, audit, publish, with `runs` as the commit point.
+
+Delta commits one table at a time, so a run's five tables cannot change in one commit. Instead every
+attempt of a run id gets its own attempt id and appends its rows, tagged with it, to every table;
+readers see only published attempts (kfed_spark.io's views). An attempt is published by one commit
+of its `runs` row with status `succeeded`; until that commit the previously published attempt of the
+run id is what readers see, and after it the new one, whole.
+
+Who may publish: each run id has a publish number, kept by Delta itself as an idempotent-write
+marker on `runs` (txnAppId per run id, txnVersion = the number). An attempt claims the number after
+the highest one committed for its run id when it starts, and publishes with it. Of two overlapping
+attempts the first to publish wins; the other's publish is skipped by Delta (or fails, if both commit
+at the same moment) and it fails with a one-line conflict error. Nothing is lost: the loser's rows
+were never visible.
+
+Every attempt has a `runs` row from its start: running, then succeeded or failed (with the error
+and the stage timings so far). The next run, or `kfed-spark maintain`, tidies up: an attempt still
+`running` whose process is gone (same host, pid dead), or that can no longer publish because its
+number was taken, becomes `abandoned`; a succeeded attempt that a later one replaced becomes
+`superseded`; and the rows of failed, abandoned and superseded attempts are deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from pyspark.sql.types import (
+    BooleanType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from kfed_spark.io import AttemptConflict, OutputTables, first_line
+
+log = logging.getLogger("kfed_spark")
+
+RUNNING, SUCCEEDED, SUPERSEDED, FAILED, ABANDONED = "running", "succeeded", "superseded", "failed", "abandoned"
+FINISHED_UNPUBLISHED = (FAILED, ABANDONED, SUPERSEDED)
+"""Statuses whose rows no reader sees and the tidy-up deletes."""
+
+RUNS_SCHEMA = StructType(
+    [
+        StructField("run_id", StringType(), False),
+        StructField("attempt_id", StringType(), False),
+        StructField("status", StringType(), False),
+        StructField("error", StringType(), True),
+        StructField("publish_seq", LongType(), True),
+        StructField("rows_removed", BooleanType(), False),
+        StructField("host", StringType(), False),
+        StructField("pid", LongType(), False),
+        StructField("parent_run_id", StringType(), True),
+        StructField("started_at", TimestampType(), False),
+        StructField("finished_at", TimestampType(), True),
+        StructField("input", StringType(), False),
+        StructField("k", IntegerType(), False),
+        StructField("k_per_device", StringType(), False),
+        StructField("seed", LongType(), False),
+        StructField("seeding", StringType(), False),
+        StructField("server_refine", StringType(), False),
+        StructField("label_mode", StringType(), False),
+        StructField("dim", IntegerType(), True),
+        StructField("n_input", LongType(), True),
+        StructField("n_labelled", LongType(), True),
+        StructField("n_quarantined", LongType(), True),
+        StructField("n_devices", LongType(), True),
+        StructField("n_local_centers", LongType(), True),
+        StructField("cost", DoubleType(), True),
+        StructField("ari", DoubleType(), True),
+        StructField("truth_cost", DoubleType(), True),
+        StructField("timings", MapType(StringType(), DoubleType()), False),
+        StructField("config", StringType(), False),
+        StructField("versions", MapType(StringType(), StringType()), False),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    run_id: str
+    attempt_id: str
+    publish_seq: int
+    """The publish number this attempt claims: one above the highest its run id had committed at its start."""
+
+
+def new_attempt_id(started_at: datetime) -> str:
+    return f"{started_at:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+def process_gone(host: str, pid: int) -> bool:
+    """True only when the process is certainly not running: on this host, and no such pid (or a zombie)."""
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class Ledger:
+    """The `runs` table of an output location as the record of every attempt."""
+
+    def __init__(self, tables: OutputTables):
+        self.tables = tables
+        self.spark = tables.spark
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [row.asDict() for row in self.tables.read("runs").collect()]
+
+    def row_of(self, run_id: str, attempt_id: str) -> dict[str, Any] | None:
+        found = self.tables.read("runs").filter(f"run_id = '{run_id}' AND attempt_id = '{attempt_id}'").collect()
+        return found[0].asDict() if found else None
+
+    def write(self, row: dict[str, Any], fence: int | None = None) -> None:
+        frame = self.spark.createDataFrame([tuple(row[f.name] for f in RUNS_SCHEMA.fields)], RUNS_SCHEMA)
+        self.tables.write_attempt_row(frame, row["run_id"], row["attempt_id"], fence)
+
+    def begin(self, row: dict[str, Any]) -> Attempt:
+        """Tidy up, then record a new attempt of row['run_id'] as running. `row` holds the run's
+        settings; the attempt's own columns (status, publish number, host, pid) are set in it here."""
+        rows = self.tidy()
+        run_id = row["run_id"]
+        attempt = Attempt(run_id, row["attempt_id"], committed_publish_seqs(rows)[run_id] + 1)
+        row.update(status=RUNNING, publish_seq=attempt.publish_seq, error=None, rows_removed=False,
+                   host=socket.gethostname(), pid=os.getpid())
+        self.write(row)
+        log.info("run %s: attempt %s started (publish number %d)", run_id, attempt.attempt_id, attempt.publish_seq)
+        return attempt
+
+    def publish(self, attempt: Attempt, row: dict[str, Any]) -> None:
+        """The one commit that makes the attempt what readers see, or AttemptConflict if another
+        attempt of the run id took its publish number first."""
+        self.write({**row, "status": SUCCEEDED, "publish_seq": attempt.publish_seq}, fence=attempt.publish_seq)
+        landed = self.row_of(attempt.run_id, attempt.attempt_id)
+        if landed is None or landed["status"] != SUCCEEDED:
+            winner = self.published_attempt(attempt.run_id)
+            raise AttemptConflict(
+                f"attempt {attempt.attempt_id} of run {attempt.run_id!r} was not published: attempt {winner} of the "
+                "same run id was published while it ran"
+            )
+        log.info("run %s: published attempt %s", attempt.run_id, attempt.attempt_id)
+        try:  # what readers see is already decided; this only tidies the record
+            for other in self.rows():
+                if other["run_id"] == attempt.run_id and other["status"] == SUCCEEDED and other["attempt_id"] != attempt.attempt_id:
+                    self.write({**other, "status": SUPERSEDED})
+        except Exception as exc:
+            log.warning("could not mark the earlier attempts of run %s superseded: %s", attempt.run_id, first_line(exc))
+
+    def fail(self, row: dict[str, Any], error: str) -> None:
+        """Record a failed attempt, after deleting its rows (best effort: the next tidy-up retries)."""
+        removed = False
+        try:
+            self.tables.delete_attempt(row["run_id"], row["attempt_id"])
+            removed = True
+        except Exception as exc:
+            log.warning("could not delete the rows of failed attempt %s: %s", row["attempt_id"], first_line(exc))
+        try:
+            self.write({**row, "status": FAILED, "error": error, "publish_seq": None, "rows_removed": removed,
+                        "finished_at": datetime.now(timezone.utc)})
+        except Exception as exc:
+            log.warning("could not record failed attempt %s: %s", row["attempt_id"], first_line(exc))
+
+    def published_attempt(self, run_id: str) -> str | None:
+        return published_attempts(self.rows()).get(run_id)
+
+    def tidy(self, abandon_after: timedelta | None = None) -> list[dict[str, Any]]:
+        """Mark abandoned and superseded attempts and delete the rows of every finished unpublished one;
+        returns the runs rows as they are afterwards. Best effort: a step that fails (another process
+        tidying at the same time) is logged and left for the next tidy-up.
+
+        With abandon_after, a running attempt started longer ago than that is abandoned too, wherever
+        it runs: its publish number is taken first (a fenced commit), so that it can never publish
+        rows that are about to be deleted.
+        """
+        rows = self.rows()
+        committed = committed_publish_seqs(rows)
+        published = published_attempts(rows)
+        now = datetime.now(timezone.utc)
+        result = []
+        for row in rows:
+            try:
+                row = self._tidy_one(row, committed, published, now, abandon_after)
+            except Exception as exc:
+                log.warning("tidy-up of attempt %s of run %s left for later: %s", row["attempt_id"], row["run_id"],
+                            first_line(exc))
+            result.append(row)
+        return result
+
+    def _tidy_one(self, row, committed, published, now, abandon_after) -> dict[str, Any]:
+        run_id, changed = row["run_id"], dict(row)
+        if row["status"] == RUNNING:
+            if row["publish_seq"] <= committed[run_id]:
+                why = "abandoned: a later attempt of the run id was published, so it could never publish"
+            elif process_gone(row["host"], row["pid"]):
+                why = f"abandoned: its process {row['pid']} on {row['host']} is gone"
+            elif abandon_after is not None and now - _utc(row["started_at"]) > abandon_after:
+                why = f"abandoned: still running after {abandon_after}"
+                self.write({**row, "status": ABANDONED, "error": why}, fence=row["publish_seq"])
+                if (self.row_of(run_id, row["attempt_id"]) or {}).get("status") != ABANDONED:
+                    return row  # it published just now
+            else:
+                return row
+            changed.update(status=ABANDONED, error=why, finished_at=now)
+            log.info("run %s: attempt %s %s", run_id, row["attempt_id"], why)
+        elif row["status"] == SUCCEEDED and published.get(run_id) != row["attempt_id"]:
+            changed["status"] = SUPERSEDED
+        if changed["status"] in FINISHED_UNPUBLISHED and not row["rows_removed"]:
+            self.tables.delete_attempt(run_id, row["attempt_id"])
+            changed["rows_removed"] = True
+        if changed != row:
+            self.write(changed)
+        return changed
+
+
+def committed_publish_seqs(rows: list[dict[str, Any]]) -> defaultdict[str, int]:
+    """Per run id, the highest publish number that an attempt committed (0 if none): a running
+    attempt's number is only claimed, and failed or unfenced abandoned attempts hold none."""
+    committed: defaultdict[str, int] = defaultdict(int)
+    for row in rows:
+        if row["status"] != RUNNING and row["publish_seq"] is not None:
+            committed[row["run_id"]] = max(committed[row["run_id"]], row["publish_seq"])
+    return committed
+
+
+def published_attempts(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """run id -> its published attempt (the succeeded one with the highest publish number); the same
+    rule as io.PUBLISHED_ATTEMPTS, which readers' views use."""
+    best: dict[str, tuple[int, str]] = {}
+    for row in rows:
+        if row["status"] == SUCCEEDED:
+            best[row["run_id"]] = max(best.get(row["run_id"], (-1, "")), (row["publish_seq"], row["attempt_id"]))
+    return {run_id: attempt for run_id, (_, attempt) in best.items()}
+
+
+def _utc(moment: datetime) -> datetime:
+    """Spark returns timestamps as naive local times; astimezone reads a naive time as local."""
+    return moment.astimezone(timezone.utc)

@@ -1,0 +1,39 @@
+"""Test-only fault injection, set by the tests through the KFED_TEST_FAULT environment variable.
+
+`kill:POINT` sends SIGKILL to this process at a named point of a run, `fail:POINT` raises there,
+`wait:POINT:FILE` waits there until FILE exists (to make two attempts overlap), and
+`fail_first_attempt` makes every local-step task fail its first attempt (Spark retries it).
+Not a user setting: nothing in the config or the README names it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from kfed_spark.errors import KFedError
+
+FAULT_ENV = "KFED_TEST_FAULT"
+WAIT_LIMIT_SECONDS = 300
+
+
+def requested(fault: str) -> bool:
+    return os.environ.get(FAULT_ENV) == fault
+
+
+def point(name: str) -> None:
+    """A named point of a run where a test may kill, fail or pause this process."""
+    action, _, rest = os.environ.get(FAULT_ENV, "").partition(":")
+    where, _, gate = rest.partition(":")
+    if where != name:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "fail":
+        raise KFedError(f"injected failure at {name}")
+    elif action == "wait":
+        deadline = time.monotonic() + WAIT_LIMIT_SECONDS
+        while not Path(gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)

@@ -1,0 +1,22 @@
+"""Helpers shared by the test modules."""
+
+from pathlib import Path
+
+from kfed_spark.config import OutputConfig
+from kfed_spark.io import OutputTables
+
+
+def published(spark, out, name):
+    """The published rows of one output table (what every documented read path shows)."""
+    return OutputTables(spark, OutputConfig(path=str(out))).published(name)
+
+
+def runs_of(spark, out):
+    """Every attempt recorded under an output location, oldest first."""
+    return OutputTables(spark, OutputConfig(path=str(out))).read("runs").orderBy("started_at").collect()
+
+
+def report_folder(out, run_id) -> Path:
+    """The one report folder of a run id's attempts (tests that look at it run the id once)."""
+    (folder,) = (Path(out) / "reports" / run_id).iterdir()
+    return folder
