@@ -2,8 +2,9 @@
 
 kfed_cluster submits jobs/kfed_job.py with SparkSubmitOperator (connection `spark_default` says
 where: local, yarn, spark://host:7077, k8s://...), with the run id taken from the logical date.
-check_run fails the DAG run when the `runs` table has no succeeded row for that run id, or when
-the run quarantined more than `max_quarantine_share` of its rows. It reads the Delta table with
+check_run fails the DAG run when the `runs` table has no published (succeeded) attempt of that run
+id, or when the run quarantined more than `max_quarantine_share` of its rows. Retries are safe: an
+attempt is published whole or not at all, and a retry replaces the run. It reads the Delta table with
 delta-rs, so the Airflow workers need no Spark. Set the params at trigger time or through the
 KFED_* environment variables below.
 """
@@ -30,10 +31,13 @@ def check_run(output: str, kfed_run_id: str, max_quarantine_share: float) -> dic
     from deltalake import DeltaTable
 
     # (not named run_id: Airflow reserves that argument name for its own run id)
-    rows = DeltaTable(f"{output}/runs").to_pyarrow_table(filters=[("run_id", "=", kfed_run_id)]).to_pylist()
-    if not rows or rows[0]["status"] != "succeeded":
-        raise ValueError(f"k-FED run {kfed_run_id} did not succeed: no succeeded row in {output}/runs")
-    run, allowed = rows[0], float(max_quarantine_share)  # a rendered template arrives as text
+    attempts = DeltaTable(f"{output}/runs").to_pyarrow_table(
+        filters=[("run_id", "=", kfed_run_id), ("status", "=", "succeeded")]
+    ).to_pylist()
+    if not attempts:
+        raise ValueError(f"k-FED run {kfed_run_id} did not succeed: no published attempt in {output}/runs")
+    run = max(attempts, key=lambda attempt: attempt["publish_seq"])  # the published attempt
+    allowed = float(max_quarantine_share)  # a rendered template arrives as text
     share = run["n_quarantined"] / run["n_input"]
     if share > allowed:
         raise ValueError(

@@ -43,7 +43,9 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from kfed_spark.io import AttemptConflict, OutputTables, first_line
+from kfed_spark import faults
+from kfed_spark.errors import first_line
+from kfed_spark.io import AttemptConflict, OutputTables
 
 log = logging.getLogger("kfed_spark")
 
@@ -161,7 +163,11 @@ class Ledger:
                 "same run id was published while it ran"
             )
         log.info("run %s: published attempt %s", attempt.run_id, attempt.attempt_id)
-        try:  # what readers see is already decided; this only tidies the record
+
+    def supersede_others(self, attempt: Attempt) -> None:
+        """After a publish: mark the run id's earlier succeeded attempts superseded. What readers see
+        is already decided (the highest publish number wins); this only keeps the record plain."""
+        try:
             for other in self.rows():
                 if other["run_id"] == attempt.run_id and other["status"] == SUCCEEDED and other["attempt_id"] != attempt.attempt_id:
                     self.write({**other, "status": SUPERSEDED})
@@ -169,7 +175,14 @@ class Ledger:
             log.warning("could not mark the earlier attempts of run %s superseded: %s", attempt.run_id, first_line(exc))
 
     def fail(self, row: dict[str, Any], error: str) -> None:
-        """Record a failed attempt, after deleting its rows (best effort: the next tidy-up retries)."""
+        """Record a failed attempt, after deleting its rows (best effort: the next tidy-up retries).
+        An attempt whose publish commit landed before the failure stays published."""
+        try:
+            if (self.row_of(row["run_id"], row["attempt_id"]) or {}).get("status") == SUCCEEDED:
+                log.warning("attempt %s failed after it was published: %s", row["attempt_id"], error)
+                return
+        except Exception as exc:
+            log.warning("could not read the record of attempt %s: %s", row["attempt_id"], first_line(exc))
         removed = False
         try:
             self.tables.delete_attempt(row["run_id"], row["attempt_id"])

@@ -5,6 +5,7 @@ They hold no Spark objects, so they can be tested with plain pyarrow batches.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -69,7 +70,8 @@ class LocalStepSpec:
     device_type: pa.DataType
     max_rows: int
     k_source: str = "fixed"
-    fail_first_attempt: bool = False
+    task_fault: str | None = None
+    """Test-only (kfed_spark.faults): 'fail_first_attempt' or 'stall' in every local-step task."""
 
 
 def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalStepSpec) -> Iterator[pa.RecordBatch]:
@@ -82,8 +84,8 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
     all of its rows.
     Yields (device, local_cluster_id, center, n_points, sse).
     """
-    if spec.fail_first_attempt:
-        _fail_if_first_attempt()
+    if spec.task_fault is not None:
+        _task_fault(spec.task_fault)
     out = _LocalCenterRows(spec.device_type)
     device, device_k, sample, seen = None, spec.k, _DeviceSample(spec), 0
     for batch in batches:
@@ -142,12 +144,15 @@ class _DeviceSample:
         return self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
 
 
-def _fail_if_first_attempt() -> None:
-    """The test-only fault KFED_TEST_FAULT=fail_first_attempt (kfed_spark.faults): Spark must retry the task."""
+def _task_fault(fault: str) -> None:
+    """Test-only faults (kfed_spark.faults): fail a task's first attempt (Spark must retry it), or
+    stall the task (a run that SIGTERM must stop)."""
     from pyspark import TaskContext
 
     context = TaskContext.get()
-    if context is not None and context.attemptNumber() == 0:
+    if fault == "stall":
+        time.sleep(600)
+    elif context is not None and context.attemptNumber() == 0:
         raise RuntimeError(f"injected failure in the first attempt of local-step task {context.partitionId()}")
 
 

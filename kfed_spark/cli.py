@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
 from kfed_spark.datasets import DATASETS
-from kfed_spark.errors import KFedError, Terminated
+from kfed_spark.errors import STOP_REQUESTED, STOPPED, KFedError, Terminated, describe
 
 DEMO_FOLDER = "kfed-demo"
 QUIET_LOCAL_SPARK = {
@@ -30,41 +30,18 @@ QUIET_LOCAL_SPARK = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The job's own stage lines at INFO; py4j and others at WARNING (py4j logs a line at INFO when the
+    # process exits, which would come after the error line).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kfed_spark").setLevel(logging.INFO)
     try:
         return args.handler(args)
-    except KFedError as exc:
-        print(f"kfed-spark: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except Terminated as exc:
-        print(f"kfed-spark: error: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        message = spark_failure(exc)
+    except (Exception, Terminated) as exc:
+        message = describe(exc)
         if message is None:
             raise
         print(f"kfed-spark: error: {message}", file=sys.stderr)
-        return 1
-
-
-def spark_failure(exc: Exception) -> str | None:
-    """One line for a failure raised by Spark or its JVM (the full trace stays in Spark's log), or None."""
-    from py4j.protocol import Py4JJavaError
-    from pyspark.errors import PySparkException
-
-    from kfed_spark.io import first_line
-
-    if isinstance(exc, Py4JJavaError):
-        text = first_line(Exception(str(exc.java_exception)))
-    elif isinstance(exc, PySparkException):
-        text = first_line(exc)
-    else:
-        return None
-    if "delta" in text.lower() and ("ClassNotFoundException" in text or "Cannot find" in text):
-        from kfed_spark.session import delta_package
-
-        return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {delta_package()}"
-    return f"Spark failed: {text}"
+        return exc.exit_code if isinstance(exc, KFedError) and not STOP_REQUESTED.is_set() else 1
 
 
 def stop_on_sigterm() -> None:
@@ -78,10 +55,11 @@ def stop_on_sigterm() -> None:
     def handler(signum, frame):
         from pyspark.sql import SparkSession
 
+        STOP_REQUESTED.set()
         spark = SparkSession.getActiveSession()
         if spark is not None:
             threading.Thread(target=spark.interruptAll, daemon=True).start()
-        raise Terminated("stopped by SIGTERM; the attempt was recorded as failed and nothing of it was published")
+        raise Terminated(STOPPED)
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
@@ -113,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     assign = commands.add_parser(
         "assign",
-        help="label a new input with a finished run's model and write it as a new run of the same tables",
+        help="label a new input with a published run's model and write it as a new run of the same tables",
     )
-    assign.add_argument("--model-run", required=True, metavar="RUN_ID", help="the finished run whose model to apply")
+    assign.add_argument("--model-run", required=True, metavar="RUN_ID", help="the published run whose model to apply")
     assign.add_argument("--config", required=True, help="YAML config: the new input, the same output.path")
     assign.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a dotted config key (repeatable)")

@@ -1,4 +1,12 @@
-"""Errors a user can act on: the CLI prints their message on one line and exits non-zero."""
+"""Errors a user can act on, and the one line that describes any failure (the CLI prints it last on
+stderr; a failed attempt's runs row records it)."""
+
+import threading
+
+STOP_REQUESTED = threading.Event()
+"""Set when the process was asked to stop (SIGTERM): whatever exception the stop then causes (PySpark
+may raise a cancelled job's error in place of Terminated), the failure is the stop."""
+STOPPED = "stopped by SIGTERM; the attempt was recorded as failed and nothing of it was published"
 
 
 class KFedError(Exception):
@@ -14,6 +22,35 @@ class ConfigError(KFedError):
 
 class InputError(KFedError):
     """The input table is missing or does not fit the data contract."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message: Spark's own messages carry a JVM trace after it."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def describe(exc: BaseException) -> str | None:
+    """One line for a failure of ours or of Spark and its JVM (the full trace stays in Spark's log);
+    None for anything else, a bug whose traceback should be seen."""
+    if STOP_REQUESTED.is_set():
+        return STOPPED
+    if isinstance(exc, (KFedError, Terminated)):
+        return str(exc)
+    from py4j.protocol import Py4JJavaError
+    from pyspark.errors import PySparkException
+
+    if isinstance(exc, Py4JJavaError):
+        text = first_line(Exception(str(exc.java_exception)))
+    elif isinstance(exc, PySparkException):
+        text = first_line(exc)
+    else:
+        return None
+    if "delta" in text.lower() and ("ClassNotFoundException" in text or "Cannot find" in text):
+        from kfed_spark.session import delta_package
+
+        return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {delta_package()}"
+    return f"Spark failed: {text}"
 
 
 class Terminated(KeyboardInterrupt):

@@ -1,8 +1,9 @@
 """Test-only fault injection, set by the tests through the KFED_TEST_FAULT environment variable.
 
 `kill:POINT` sends SIGKILL to this process at a named point of a run, `fail:POINT` raises there,
-`wait:POINT:FILE` waits there until FILE exists (to make two attempts overlap), and
-`fail_first_attempt` makes every local-step task fail its first attempt (Spark retries it).
+`wait:POINT:FILE` waits there until FILE exists (after creating FILE.<pid>, so that a test knows it
+is waiting: to make two attempts overlap). In the local-step tasks, `fail_first_attempt` makes
+every task fail its first attempt (Spark retries it) and `stall` makes them hang.
 Not a user setting: nothing in the config or the README names it.
 """
 
@@ -19,8 +20,13 @@ FAULT_ENV = "KFED_TEST_FAULT"
 WAIT_LIMIT_SECONDS = 300
 
 
-def requested(fault: str) -> bool:
-    return os.environ.get(FAULT_ENV) == fault
+TASK_FAULTS = ("fail_first_attempt", "stall")
+
+
+def task_fault() -> str | None:
+    """The fault the local-step tasks should act out, if one is requested."""
+    fault = os.environ.get(FAULT_ENV)
+    return fault if fault in TASK_FAULTS else None
 
 
 def point(name: str) -> None:
@@ -34,6 +40,7 @@ def point(name: str) -> None:
     elif action == "fail":
         raise KFedError(f"injected failure at {name}")
     elif action == "wait":
+        Path(f"{gate}.{os.getpid()}").touch()
         deadline = time.monotonic() + WAIT_LIMIT_SECONDS
         while not Path(gate).exists() and time.monotonic() < deadline:
             time.sleep(0.05)

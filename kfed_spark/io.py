@@ -22,7 +22,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
 from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
-from kfed_spark.errors import InputError, KFedError
+from kfed_spark.errors import InputError, KFedError, first_line
 
 log = logging.getLogger("kfed_spark")
 
@@ -84,12 +84,6 @@ def _filesystem(path: str) -> tuple[pafs.FileSystem, str] | None:
         return pafs.FileSystem.from_uri(path if URI_PATTERN.match(path) else "file://" + path)
     except Exception:  # pyarrow raises ArrowInvalid or ArrowNotImplementedError for unknown schemes
         return None
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message: Spark's own messages carry a JVM trace after it."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def absolute(path: str) -> str:
@@ -227,16 +221,21 @@ class OutputTables:
             if present[name]:
                 self.check_schema(name, schema)
         self.check_writable()
-        for name, schema in schemas.items():
-            if present[name]:
-                continue
+
+        def create(name: str) -> None:
             try:
-                self._write(self.spark.createDataFrame([], schema), name, "append", "kfed-spark: create table")
+                self._write(self.spark.createDataFrame([], schemas[name]), name, "append", "kfed-spark: create table")
                 log.info("created %s", self.path(name))
             except Exception:
                 if not self.exists(name):
                     raise
-                self.check_schema(name, schema)
+                self.check_schema(name, schemas[name])
+
+        missing = [name for name in schemas if not present[name]]
+        if missing:
+            with ThreadPoolExecutor(max_workers=len(missing)) as pool:
+                for future in [pool.submit(create, name) for name in missing]:
+                    future.result()
         self.register()
 
     # -- writes -----------------------------------------------------------------------------------

@@ -46,8 +46,8 @@ from kfed_spark.batches import (
 from kfed_spark import faults, report
 from kfed_spark.attempts import RUNS_SCHEMA, Attempt, Ledger, new_attempt_id
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
-from kfed_spark.errors import ConfigError, InputError, KFedError
-from kfed_spark.io import TABLES, OutputTables, absolute, first_line, read_input, read_side_table
+from kfed_spark.errors import ConfigError, InputError, KFedError, describe
+from kfed_spark.io import TABLES, OutputTables, absolute, read_input, read_side_table
 from kfed_spark.kernels import ServerClustering, nearest_center, server_step
 from kfed_spark.metrics import ari_of, contingency, within_cluster_cost
 
@@ -132,6 +132,7 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) 
         parent = None if parent_run_id is None else stored_model(tables, parent_run_id)
         checked, dim = validated(raw, cfg, None if parent is None else parent.dim)
         check_device_ids(checked, cfg.input.device_col)
+        faults.point("checked")
         tables.prepare(output_schemas(raw.schema, cfg.input.device_col))
         faults.point("created")
     ledger = Ledger(tables)
@@ -153,10 +154,13 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) 
                 tables.write_report(run_id, attempt.attempt_id, run_report(row, cfg, clustering, cells))
             faults.point("report")
         row.update(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
+        faults.point("before_publish")
         ledger.publish(attempt, row)
     except BaseException as exc:
-        ledger.fail({**row, "timings": dict(timer.seconds)}, first_line(exc) if str(exc) else type(exc).__name__)
+        ledger.fail({**row, "timings": dict(timer.seconds)}, describe(exc) or f"{type(exc).__name__}: {exc}")
         raise
+    faults.point("published")
+    ledger.supersede_others(attempt)
     log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, result.n_labelled, result.n_quarantined,
              result.cost)
     return result
@@ -371,8 +375,11 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
     raw = read_input(spark, cfg.input)
     tables = OutputTables(spark, cfg.output)
     _, dim = validated(raw, cfg)
-    existing = [name for name, schema in output_schemas(raw.schema, cfg.input.device_col).items()
-                if tables.check_log(name) and tables.check_schema(name, schema) is None]
+    existing = []
+    for name, schema in output_schemas(raw.schema, cfg.input.device_col).items():
+        if tables.check_log(name):
+            tables.check_schema(name, schema)
+            existing.append(name)
     return "\n".join(
         [
             f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
@@ -529,7 +536,7 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
         to_arrow_type(device_type),
         cfg.max_rows_per_device,
         k_source="fixed" if fixed else "auto" if cfg.k_per_device == "auto" else "column",
-        fail_first_attempt=faults.requested("fail_first_attempt"),
+        task_fault=faults.task_fault(),
     )
     schema = StructType([StructField("device_id", device_type, False), *LOCAL_CENTER_FIELDS])
     rows = local_step_rows(valid, cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from importlib.metadata import version
 
 from pyspark.sql import SparkSession
@@ -28,6 +29,10 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     builder = SparkSession.builder.appName(spark_cfg.app_name)
     if spark_cfg.master:
         builder = builder.master(spark_cfg.master)
+    if local_without_worker_python(spark_cfg):
+        # Workers would take `python3` from PATH, which is not this environment's when the CLI was
+        # started by its absolute path (cron, systemd, a BashOperator) without activating it.
+        builder = builder.config("spark.pyspark.python", sys.executable)
     for key, value in {**DELTA_SQL_CONF, **spark_cfg.conf}.items():
         builder = builder.config(key, str(value).lower() if isinstance(value, bool) else str(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
@@ -38,6 +43,16 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
 
         builder = configure_spark_with_delta_pip(builder)
     return builder.getOrCreate()
+
+
+def local_without_worker_python(spark_cfg: SparkConfig) -> bool:
+    """A local master, and nothing says which Python the workers run."""
+    master = spark_cfg.master or os.environ.get("MASTER") or ""
+    return (
+        master.startswith("local")
+        and "PYSPARK_PYTHON" not in os.environ
+        and "spark.pyspark.python" not in spark_cfg.conf
+    )
 
 
 def delta_package() -> str:

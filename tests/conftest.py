@@ -1,5 +1,7 @@
 """One local SparkSession with Delta for the whole test run, built by the product's own builder."""
 
+import json
+
 import pytest
 
 from kfed_spark.config import SparkConfig
@@ -46,8 +48,10 @@ def mixture_path(tmp_path_factory):
 
 @pytest.fixture()
 def config(tmp_path, mixture_path):
-    """A run config over the mixture: output under tmp_path/out, run id 'first', seed 11."""
+    """A run config over the mixture: output under tmp_path/out, run id 'first', seed 11; a process of its
+    own started on it gets the test session's settings (not Spark's defaults for big tables)."""
     path = tmp_path / "kfed.yaml"
+    spark_conf = json.dumps({key: value for key, value in TEST_SPARK_CONF.items() if key != "spark.task.maxFailures"})
     path.write_text(
         f"""
 input: {{path: "{mixture_path}", format: parquet, truth_col: true_cluster}}
@@ -56,6 +60,7 @@ k: {MIXTURE['k']}
 k_per_device: {MIXTURE['k_per_device']}
 seed: 11
 run_id: first
+spark: {{master: "local[2]", conf: {spark_conf}}}
 """
     )
     return path

@@ -5,6 +5,7 @@ import subprocess
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
@@ -141,3 +142,70 @@ def test_dropping_a_fifth_of_the_devices_keeps_the_clusters(spark, config, tmp_p
     cells = labels_of(spark, tmp_path / "out", "first").groupBy("true_cluster", "cluster_id").count().toPandas()
     assert cells["count"].sum() == len(kept) * MIXTURE["points_per_device"]
     assert adjusted_rand_index(cells.true_cluster, cells.cluster_id, cells["count"]) >= 0.95
+
+
+def refused(capsys) -> str:
+    """The last stderr line of a refused run."""
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_an_output_path_that_is_a_file_or_cannot_be_written_is_refused_before_any_work(spark, config, tmp_path,
+                                                                                       capsys):
+    (tmp_path / "file").write_text("not a folder")
+    assert run_cli(config, f"output.path={tmp_path / 'file'}") == 2
+    assert refused(capsys) == f"kfed-spark: error: output.path {tmp_path / 'file'} is a file, not a folder"
+    assert run_cli(config, "output.path=/proc/kfed-output") == 2  # no one, not even root, creates folders there
+    assert refused(capsys).startswith("kfed-spark: error: cannot write under output.path /proc/kfed-output: ")
+
+
+def test_a_damaged_table_is_refused_before_anything_is_written(spark, config, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_cli(config) == 0
+    (out / "labels" / "_delta_log" / "00000000000000000000.json").unlink()  # its .crc stays
+    logs = {path: path.stat().st_mtime for path in out.glob("*/_delta_log/*.json")}
+    assert run_cli(config, "run_id=second") == 2
+    assert refused(capsys) == (
+        f"kfed-spark: error: output table {out / 'labels'} is damaged: its Delta log lacks version(s) 0; restore "
+        "the log or use another output.path (nothing was written)"
+    )
+    assert {path: path.stat().st_mtime for path in out.glob("*/_delta_log/*.json")} == logs
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["input.truth_col=nope"], "input has no truth column 'nope' (input.truth_col); columns: "),
+        (["k_per_device=no_such_table"], "cannot read table no_such_table: "),
+    ],
+)
+def test_columns_and_tables_the_config_names_are_checked_before_any_work(spark, config, tmp_path, capsys,
+                                                                         overrides, message):
+    assert run_cli(config, *overrides) == 2
+    assert refused(capsys).startswith(f"kfed-spark: error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        ([1.0, float("nan"), 2.0, float("nan")], "device column 'device_id' is NaN in 2 rows; device ids must be "
+         "strings or whole numbers"),
+        ([None, None, None, None], "the device column 'device_id' is null in every row"),
+    ],
+)
+def test_nan_or_all_null_device_ids_are_refused_before_any_work(spark, tmp_path, capsys, devices, message):
+    rows = [(d, [float(i), 0.0]) for i, d in enumerate(devices)]
+    spark.createDataFrame(rows, "device_id double, features array<double>").write.parquet(str(tmp_path / "in"))
+    args = ["run", "--config", str(write_empty_config(tmp_path)), "--set", f"input.path={tmp_path / 'in'}",
+            "--set", f"output.path={tmp_path / 'out'}", "--set", "k=2"]
+    assert main(args) == 2
+    assert refused(capsys) == f"kfed-spark: error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_assign_cannot_name_its_own_run_as_the_model(spark, config, tmp_path, capsys):
+    assert run_cli(config) == 0
+    assert main(["assign", "--model-run", "first", "--config", str(config)]) == 2
+    assert refused(capsys) == ("kfed-spark: error: run 'first' cannot take its own model: give the new run another "
+                               "run_id")
+    assert [r.status for r in runs_of(spark, tmp_path / "out")] == ["succeeded"]

@@ -6,6 +6,7 @@ from deltalake import DeltaTable
 from kfed_spark.cli import main
 
 from conftest import MIXTURE
+from helpers import DUCKDB_PUBLISHED_LABELS
 from test_job import run_cli
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
@@ -44,19 +45,13 @@ def test_duckdb_reads_the_published_labels_through_delta_rs(spark, config, tmp_p
     monkeypatch.chdir(tmp_path)
     labels = DeltaTable("out/labels").to_pyarrow_dataset()
     runs = DeltaTable("out/runs").to_pyarrow_dataset()
-    duckdb.sql(PUBLISHED_LABELS)  # the view the README defines
+    duckdb.sql(DUCKDB_PUBLISHED_LABELS)  # the view the README defines
     counts = duckdb.sql(
         "SELECT cluster_id, count(*) AS n FROM published_labels WHERE run_id = 'first' GROUP BY ALL ORDER BY cluster_id"
     ).fetchall()
     assert [c for c, _ in counts] == list(range(6)) and sum(n for _, n in counts) == N_ROWS
     assert labels.count_rows() == 2 * N_ROWS  # the raw table still holds the superseded attempt
 
-
-PUBLISHED_LABELS = """
-CREATE OR REPLACE VIEW published_labels AS
-SELECT * FROM labels WHERE (run_id, attempt_id) IN (
-  SELECT run_id, max_by(attempt_id, publish_seq) FROM runs WHERE status = 'succeeded' GROUP BY run_id)
-"""
 
 
 def test_dry_run_checks_and_prints_the_plan_without_writing(spark, config, tmp_path, capsys):

@@ -38,7 +38,7 @@ def test_dag_runs_the_job_and_checks_it(dag):
     assert run.state == "success", [(ti.task_id, ti.state) for ti in run.get_task_instances()]
     runs = DeltaTable(f"{OUTPUT}/runs").to_pyarrow_table().to_pylist()
     assert [(r["run_id"], r["status"]) for r in runs] == [("2026-11-29", "succeeded")]
-    labels = DeltaTable(f"{OUTPUT}/labels").to_pyarrow_table()
+    labels = DeltaTable(f"{OUTPUT}/labels").to_pyarrow_table(filters=[("attempt_id", "=", runs[0]["attempt_id"])])
     assert labels.num_rows == runs[0]["n_labelled"] == runs[0]["n_input"]
 
 

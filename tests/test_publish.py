@@ -1,0 +1,245 @@
+"""A run stays whole for its readers when it is killed, stopped or run twice: real processes, real Delta tables.
+
+Each run here is a `python -m kfed_spark.cli run` process of its own, killed with SIGKILL (by a
+test hook at a named point, or from outside), stopped with SIGTERM, or started twice at once.
+After each, the test reads what every documented read path shows: the published views that
+`kfed-spark sql` and `output.database` define, latest_labels, `kfed-spark report` and the README's
+DuckDB recipe.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import duckdb
+import pytest
+from deltalake import DeltaTable
+
+from kfed_spark.cli import main
+from kfed_spark.config import OutputConfig
+from kfed_spark.errors import KFedError
+from kfed_spark.faults import FAULT_ENV
+from kfed_spark.io import OutputTables
+
+from conftest import MIXTURE
+from helpers import DUCKDB_PUBLISHED_LABELS, runs_of
+
+N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
+POINTS = ["created", "claimed", "labels", "tables", "report", "published"]
+"""Every point of a run after something is committed: the tables' creation, the running row, the labels
+commit, the other tables' commits, the report files (the last thing before the publish commit), and the
+publish commit (before the earlier attempt is marked superseded)."""
+
+
+def start(config, *overrides, fault=None):
+    """The CLI in a process of its own."""
+    env = {key: value for key, value in os.environ.items() if key != FAULT_ENV}
+    if fault:
+        env[FAULT_ENV] = fault
+    args = [sys.executable, "-m", "kfed_spark.cli", "run", "--config", str(config)]
+    for item in overrides:
+        args += ["--set", item]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(process, timeout=300):
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+def last_line(err):
+    lines = [line for line in err.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def what_readers_see(spark, out, run_id="first"):
+    """Per read path, which attempts of run_id it shows and how many rows of each."""
+    tables = OutputTables(spark, OutputConfig(path=str(out)))
+    seen = {}
+    views = tables.register_views()
+    for name in ("labels", "centers", "local_centers", "quarantine", "latest_labels"):
+        rows = [] if name not in views else spark.sql(
+            f"SELECT attempt_id, count(*) AS n FROM {name} WHERE run_id = '{run_id}' GROUP BY attempt_id").collect()
+        seen[name] = {row.attempt_id: row.n for row in rows}
+    try:
+        seen["report"] = json.loads(tables.read_report(run_id))["attempt_id"]
+    except KFedError:
+        seen["report"] = None
+    if "labels" in views:
+        con = duckdb.connect()
+        con.register("labels", DeltaTable(str(out / "labels")).to_pyarrow_dataset())
+        con.register("runs", DeltaTable(str(out / "runs")).to_pyarrow_dataset())
+        con.sql(DUCKDB_PUBLISHED_LABELS)
+        rows = con.sql(f"SELECT attempt_id, count(*) FROM published_labels WHERE run_id = '{run_id}' GROUP BY ALL")
+        seen["duckdb"] = dict(rows.fetchall())
+    else:
+        seen["duckdb"] = {}
+    return seen
+
+
+def assert_whole(seen, attempt, k, latest=True):
+    """Every read path shows the whole of `attempt` (k clusters), or nothing when attempt is None;
+    latest_labels shows it too when its run is the newest."""
+    if attempt is None:
+        assert seen == {name: {} for name in ("labels", "centers", "local_centers", "quarantine", "latest_labels")} | {
+            "report": None, "duckdb": {}}
+        return
+    for name in ("labels", "latest_labels", "duckdb") if latest else ("labels", "duckdb"):
+        assert seen[name] == {attempt: N_ROWS}, name
+    assert seen["centers"] == {attempt: k}
+    assert set(seen["local_centers"]) == {attempt}
+    assert seen["quarantine"] == {}
+    assert seen["report"] == attempt
+
+
+def published_attempt(spark, out, run_id="first"):
+    found = [r for r in runs_of(spark, out) if r.run_id == run_id and r.status == "succeeded"]
+    return max(found, key=lambda r: r.publish_seq).attempt_id if found else None
+
+
+def raw_attempts(spark, out, name="labels"):
+    return {r.attempt_id for r in spark.read.format("delta").load(str(out / name)).select("attempt_id").distinct()
+            .collect()}
+
+
+@pytest.mark.parametrize("rerun", [False, True], ids=["first_run", "rerun"])
+@pytest.mark.parametrize("point", POINTS)
+def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, config, tmp_path, point, rerun):
+    out = tmp_path / "out"
+    old = None
+    if rerun:
+        assert main(["run", "--config", str(config)]) == 0
+        old = published_attempt(spark, out)
+    code, _, err = finish(start(config, "k=6", fault=f"kill:{point}"))
+    assert code == -signal.SIGKILL, err[-2000:]
+
+    seen = what_readers_see(spark, out)
+    new = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
+    if point == "published":
+        (killed,) = new
+        assert_whole(seen, killed, 6)
+    else:
+        assert_whole(seen, old, MIXTURE["k"])
+        killed = new[0] if new else None
+        if point == "created":
+            assert killed is None  # killed before its running row
+        else:
+            assert [r.status for r in runs_of(spark, out) if r.attempt_id == killed] == ["running"]
+    print(f"\nkilled at {point} ({'re-run' if rerun else 'first run'}): readers saw "
+          f"{'the killed attempt' if seen['report'] == killed and killed else 'the earlier attempt' if old else 'nothing'}")
+
+    # The next maintenance (or run) finds the process gone and removes what the attempt left.
+    assert main(["maintain", "--output", str(out)]) == 0
+    statuses = {r.attempt_id: (r.status, r.rows_removed) for r in runs_of(spark, out)}
+    if point == "published":
+        assert statuses[killed] == ("succeeded", False)
+        if old:
+            assert statuses[old] == ("superseded", True) and old not in raw_attempts(spark, out)
+    elif killed:
+        assert statuses[killed] == ("abandoned", True) and killed not in raw_attempts(spark, out)
+    assert_whole(what_readers_see(spark, out), killed if point == "published" else old,
+                 6 if point == "published" else MIXTURE["k"])
+
+
+def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see(spark, config, tmp_path):
+    out = tmp_path / "out"
+    assert main(["run", "--config", str(config)]) == 0
+    old = published_attempt(spark, out)
+    process = start(config, "k=6", "report=false")
+    lines = []
+    for line in process.stderr:  # the job logs each commit as it lands
+        lines.append(line)
+        if f"wrote {out / 'labels'}" in line:
+            process.send_signal(signal.SIGKILL)
+            break
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, "".join(lines)[-2000:]
+    assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
+    (killed,) = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
+    assert killed in raw_attempts(spark, out)  # its labels are there, unpublished
+    # The next run of the run id finds the process gone, abandons the attempt and deletes its rows.
+    assert main(["run", "--config", str(config), "--set", "k=5"]) == 0
+    statuses = {r.attempt_id: r.status for r in runs_of(spark, out)}
+    assert statuses[killed] == "abandoned" and statuses[old] == "superseded"
+    assert killed not in raw_attempts(spark, out)
+    assert_whole(what_readers_see(spark, out), published_attempt(spark, out), 5)
+
+
+def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, config, tmp_path):
+    out = tmp_path / "out"
+    assert main(["run", "--config", str(config)]) == 0
+    old = published_attempt(spark, out)
+    process = start(config, "k=6", fault="stall")  # every local-step task hangs
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not [r for r in runs_of(spark, out) if r.status == "running"]:
+        time.sleep(0.5)
+    time.sleep(3)  # inside the local step's Spark job
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    code, _, err = finish(process, timeout=60)
+    stopped_after = time.monotonic() - sent
+    assert code == 1, err[-2000:]
+    assert last_line(err).startswith("kfed-spark: error: stopped by SIGTERM")
+    assert stopped_after < 15, err[-3000:]
+    (attempt,) = [r for r in runs_of(spark, out) if r.attempt_id != old]
+    assert (attempt.status, attempt.rows_removed) == ("failed", True)
+    assert attempt.error.startswith("stopped by SIGTERM") and "validate" in attempt.timings
+    assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
+
+
+@pytest.mark.parametrize("round_", range(2))
+def test_two_attempts_of_one_run_id_at_once_publish_exactly_one(spark, config, tmp_path, round_):
+    """Both attempts do all their work, wait at the publish, and publish at the same moment."""
+    out = tmp_path / "out"
+    assert main(["run", "--config", str(config)]) == 0
+    old = published_attempt(spark, out)
+    gate = tmp_path / "gate"
+    processes = [start(config, f"k={k}", fault=f"wait:before_publish:{gate}") for k in (6, 5)]
+    deadline = time.monotonic() + 240
+    while len(list(tmp_path.glob("gate.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    gate.touch()
+    results = [finish(p) for p in processes]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 1], [err[-1500:] for _, _, err in results]
+    loser_err = next(err for code, _, err in results if code == 1)
+    assert "was published at the same moment" in last_line(loser_err) or "was not published" in last_line(loser_err)
+    winner = published_attempt(spark, out)
+    assert winner != old
+    assert sorted(r.status for r in runs_of(spark, out)) == ["failed", "succeeded", "superseded"]
+    k = what_readers_see(spark, out)["centers"][winner]
+    assert k in (5, 6)
+    assert_whole(what_readers_see(spark, out), winner, k)
+
+
+def test_an_attempt_that_started_before_another_was_published_cannot_publish_after_it(spark, config, tmp_path):
+    out = tmp_path / "out"
+    gate = tmp_path / "gate"
+    slow = start(config, "k=6", fault=f"wait:before_publish:{gate}")
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("gate.*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert main(["run", "--config", str(config), "--set", "k=5"]) == 0  # runs whole while the first waits
+    gate.touch()
+    code, _, err = finish(slow)
+    assert code == 1 and "was not published: attempt" in last_line(err), err[-2000:]
+    assert_whole(what_readers_see(spark, out), published_attempt(spark, out), 5)
+
+
+def test_two_first_runs_with_other_run_ids_into_an_empty_location_both_succeed(spark, config, tmp_path):
+    gate = tmp_path / "gate"
+    processes = [start(config, f"run_id={run_id}", fault=f"wait:checked:{gate}") for run_id in ("one", "two")]
+    deadline = time.monotonic() + 240
+    while len(list(tmp_path.glob("gate.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    gate.touch()  # both now create the tables at the same moment
+    results = [finish(p) for p in processes]
+    assert [code for code, _, _ in results] == [0, 0], [err[-1500:] for _, _, err in results]
+    out = tmp_path / "out"
+    newest = max((r for r in runs_of(spark, out)), key=lambda r: r.finished_at).run_id
+    for run_id in ("one", "two"):
+        assert_whole(what_readers_see(spark, out, run_id), published_attempt(spark, out, run_id), MIXTURE["k"],
+                     latest=run_id == newest)
