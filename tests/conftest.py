@@ -51,7 +51,10 @@ def config(tmp_path, mixture_path):
     """A run config over the mixture: output under tmp_path/out, run id 'first', seed 11; a process of its
     own started on it gets the test session's settings (not Spark's defaults for big tables)."""
     path = tmp_path / "kfed.yaml"
-    spark_conf = json.dumps({key: value for key, value in TEST_SPARK_CONF.items() if key != "spark.task.maxFailures"})
+    spark_conf = json.dumps({
+        **{key: value for key, value in TEST_SPARK_CONF.items() if key != "spark.task.maxFailures"},
+        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",  # a short-lived JVM starts faster
+    })
     path.write_text(
         f"""
 input: {{path: "{mixture_path}", format: parquet, truth_col: true_cluster}}

@@ -123,6 +123,28 @@ def test_vector_and_column_list_features_give_the_same_clustering(spark, config,
         assert got == expected, out
 
 
+def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(spark, tmp_path):
+    """What VectorAssembler(handleInvalid="keep") or a left join hands over: a null vector, one of the
+    wrong size, one holding NaN. The job quarantines them; the estimator's transform predicts null."""
+    from pyspark.ml.linalg import Vectors
+
+    from kfed_spark.estimator import KFed
+
+    rows = [(1, "a", Vectors.dense([0.0, 0.0])), (2, "a", Vectors.dense([9.0, 9.0])),
+            (3, "b", Vectors.dense([0.1, 0.0])), (4, "b", Vectors.dense([9.0, 9.1])), (5, "a", None),
+            (6, "b", Vectors.dense([1.0])), (7, "a", Vectors.dense([float("nan"), 0.0]))]
+    frame = spark.createDataFrame(rows, "row_id long, device_id string, features vector")
+    frame.write.parquet(str(tmp_path / "vectors"))
+    assert main(["run", "--config", str(write_empty_config(tmp_path)), "--set", f"input.path={tmp_path / 'vectors'}",
+                 "--set", f"output.path={tmp_path / 'out'}", "--set", "k=2", "--set", "run_id=v"]) == 0
+    quarantine = published(spark, tmp_path / "out", "quarantine").toPandas()
+    assert dict(zip(quarantine.row_id, quarantine.reason)) == {
+        5: "null_features", 6: "wrong_dimension (expected 2)", 7: "non_finite_value"}
+    assert sorted(published(spark, tmp_path / "out", "labels").toPandas().row_id) == [1, 2, 3, 4]
+    predicted = KFed(k=2, kPerDevice=2, seed=0).fit(frame).transform(frame).toPandas().set_index("row_id")
+    assert predicted.prediction[[5, 6, 7]].isna().all() and predicted.prediction[[1, 2, 3, 4]].notna().all()
+
+
 def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
     rows = [
         (1, "a", [0.0, 0.0]), (2, "a", [0.1, 0.0]), (3, "a", [9.0, 9.0]), (4, "b", [9.1, 9.0]),
