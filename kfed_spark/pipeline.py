@@ -493,8 +493,8 @@ def features_column(df: DataFrame, features: str | list[str]) -> Column:
             raise InputError(f"feature column(s) {', '.join(wrong)} are not numeric")
         return F.array(*[F.col(name).cast("double") for name in names])
     kind = types[features]
-    if isinstance(kind, VectorUDT):
-        return vector_to_array(F.col(features))
+    if isinstance(kind, VectorUDT):  # vector_to_array fails on a null vector; a null array is quarantined
+        return F.when(F.col(features).isNotNull(), vector_to_array(F.col(features)))
     if isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
         return F.col(features).cast("array<double>")
     raise InputError(

@@ -126,14 +126,17 @@ def test_vector_and_column_list_features_give_the_same_clustering(spark, config,
 def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(spark, tmp_path):
     """What VectorAssembler(handleInvalid="keep") or a left join hands over: a null vector, one of the
     wrong size, one holding NaN. The job quarantines them; the estimator's transform predicts null."""
-    from pyspark.ml.linalg import Vectors
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
 
     from kfed_spark.estimator import KFed
 
     rows = [(1, "a", Vectors.dense([0.0, 0.0])), (2, "a", Vectors.dense([9.0, 9.0])),
             (3, "b", Vectors.dense([0.1, 0.0])), (4, "b", Vectors.dense([9.0, 9.1])), (5, "a", None),
             (6, "b", Vectors.dense([1.0])), (7, "a", Vectors.dense([float("nan"), 0.0]))]
-    frame = spark.createDataFrame(rows, "row_id long, device_id string, features vector")
+    schema = StructType([StructField("row_id", LongType()), StructField("device_id", StringType()),
+                         StructField("features", VectorUDT())])
+    frame = spark.createDataFrame(rows, schema)
     frame.write.parquet(str(tmp_path / "vectors"))
     assert main(["run", "--config", str(write_empty_config(tmp_path)), "--set", f"input.path={tmp_path / 'vectors'}",
                  "--set", f"output.path={tmp_path / 'out'}", "--set", "k=2", "--set", "run_id=v"]) == 0
