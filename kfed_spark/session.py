@@ -29,10 +29,11 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     builder = SparkSession.builder.appName(spark_cfg.app_name)
     if spark_cfg.master:
         builder = builder.master(spark_cfg.master)
-    if local_without_worker_python(spark_cfg):
+    if is_local(spark_cfg) and "PYSPARK_PYTHON" not in os.environ:
         # Workers would take `python3` from PATH, which is not this environment's when the CLI was
-        # started by its absolute path (cron, systemd, a BashOperator) without activating it.
-        builder = builder.config("spark.pyspark.python", sys.executable)
+        # started by its absolute path (cron, systemd, a BashOperator) without activating it. PySpark
+        # reads the workers' interpreter from this variable when it creates the SparkContext.
+        os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
     for key, value in {**DELTA_SQL_CONF, **spark_cfg.conf}.items():
         builder = builder.config(key, str(value).lower() if isinstance(value, bool) else str(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
@@ -45,14 +46,8 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     return builder.getOrCreate()
 
 
-def local_without_worker_python(spark_cfg: SparkConfig) -> bool:
-    """A local master, and nothing says which Python the workers run."""
-    master = spark_cfg.master or os.environ.get("MASTER") or ""
-    return (
-        master.startswith("local")
-        and "PYSPARK_PYTHON" not in os.environ
-        and "spark.pyspark.python" not in spark_cfg.conf
-    )
+def is_local(spark_cfg: SparkConfig) -> bool:
+    return (spark_cfg.master or os.environ.get("MASTER") or "").startswith("local")
 
 
 def delta_package() -> str:
