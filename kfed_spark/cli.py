@@ -30,10 +30,10 @@ QUIET_LOCAL_SPARK = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # The job's own stage lines at INFO; py4j and others at WARNING (py4j logs a line at INFO when the
-    # process exits, which would come after the error line).
+    # The job's own stage lines at --log-level (INFO); py4j and others at WARNING (py4j logs a line at
+    # INFO when the process exits, which would come after the error line).
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kfed_spark").setLevel(logging.INFO)
+    logging.getLogger("kfed_spark").setLevel("WARNING" if getattr(args, "quiet", False) else args.log_level)
     try:
         return args.handler(args)
     except (Exception, Terminated) as exc:
@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kfed-spark",
         description="One-shot federated clustering (k-FED) of a device-keyed table on Spark, with Delta outputs.",
     )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="level of the job's own log lines on stderr (default INFO); Spark's is spark.log.level")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="cluster a table and write the Delta tables of one run")
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate the config and the input's schema, print the plan, write nothing",
     )
+    add_run_output_arguments(run)
     run.set_defaults(handler=command_run)
 
     assign = commands.add_parser(
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     assign.add_argument("--config", required=True, help="YAML config: the new input, the same output.path")
     assign.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a dotted config key (repeatable)")
+    add_run_output_arguments(assign)
     assign.set_defaults(handler=command_assign)
 
     sql = commands.add_parser(
@@ -181,6 +185,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_run_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print the run's figures as one JSON object on stdout (for Airflow's XCom and scripts)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="only warnings and the error line on stderr: no stage lines, Spark at ERROR")
+
+
+def print_result(args: argparse.Namespace, result, text: str) -> None:
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps(dataclasses.asdict(result), sort_keys=True))
+    else:
+        print(text)
+
+
+def spark_quiet(cfg: KFedConfig, args: argparse.Namespace) -> KFedConfig:
+    """With --quiet, Spark logs at ERROR unless the config says otherwise."""
+    if not args.quiet or "spark.log.level" in cfg.spark.conf:
+        return cfg
+    import dataclasses
+
+    conf = {**cfg.spark.conf, "spark.log.level": "ERROR", "spark.ui.showConsoleProgress": "false"}
+    return dataclasses.replace(cfg, spark=dataclasses.replace(cfg.spark, conf=conf))
+
+
 def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
     """The shape of a generated mixture; k and k-per-device are also what the benchmark clusters with."""
     parser.add_argument("--k", type=int, default=64, help="clusters in the mixture (default 64)")
@@ -252,7 +283,7 @@ def command_bench_server(args: argparse.Namespace) -> int:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = spark_quiet(load_config(args.config, args.overrides), args)
     stop_on_sigterm()
     if args.dry_run:
         from kfed_spark.pipeline import plan
@@ -261,12 +292,13 @@ def command_run(args: argparse.Namespace) -> int:
         print(plan(build_session(cfg.spark), cfg))
         return 0
     result = execute(cfg)
-    print(
-        f"run {result.run_id} (attempt {result.attempt_id}, published): {result.n_labelled} rows labelled, {result.n_quarantined} quarantined, "
-        f"{result.n_devices} devices, cost {result.cost:.6g}"
+    print_result(
+        args, result,
+        f"run {result.run_id} (attempt {result.attempt_id}, published): {result.n_labelled} rows labelled, "
+        f"{result.n_quarantined} quarantined, {result.n_devices} devices, cost {result.cost:.6g}"
         + (f", ARI {result.ari:.4f}" if result.ari is not None else "")
         + (f", cost / planted cost {result.cost / result.truth_cost:.4f}" if result.truth_cost else "")
-        + f"; tables under {result.output_path}"
+        + f"; tables under {result.output_path}",
     )
     return 0
 
@@ -281,12 +313,13 @@ def execute(cfg: KFedConfig, parent_run_id: str | None = None):
 
 
 def command_assign(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = spark_quiet(load_config(args.config, args.overrides), args)
     stop_on_sigterm()
     result = execute(cfg, parent_run_id=args.model_run)
-    print(
+    print_result(
+        args, result,
         f"run {result.run_id} (model of run {args.model_run}): {result.n_labelled} rows labelled, "
-        f"{result.n_quarantined} quarantined, {result.n_devices} devices in the model; tables under {result.output_path}"
+        f"{result.n_quarantined} quarantined, {result.n_devices} devices in the model; tables under {result.output_path}",
     )
     return 0
 
