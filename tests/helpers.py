@@ -2,6 +2,10 @@
 
 from pathlib import Path
 
+import pytest
+
+from kfed_spark.datasets import default_data_dir
+
 from kfed_spark.config import OutputConfig
 from kfed_spark.io import OutputTables
 
@@ -28,6 +32,12 @@ def _readme_duckdb_view() -> str:
 
 DUCKDB_PUBLISHED_LABELS = _readme_duckdb_view()
 """The README's view of the published labels for DuckDB (over delta-rs datasets named labels and runs)."""
+
+
+needs_shared_data = pytest.mark.skipif(
+    not default_data_dir().is_dir(),
+    reason=f"the real datasets are not at {default_data_dir()} (set KFED_DATA_DIR, or lay shared/ beside the clone)",
+)
 
 
 def report_folder(out, run_id) -> Path:

@@ -4,7 +4,10 @@ import json
 
 from kfed_spark.cli import main
 
+from helpers import needs_shared_data
 
+
+@needs_shared_data
 def test_bench_quality_table_on_a_real_slice_and_the_outlier_mixture(spark, tmp_path, capsys):
     out = tmp_path / "quality"
     assert main(["bench-quality", "--datasets", "mnist,mixture-outliers", "--max-devices", "20",

@@ -10,10 +10,10 @@ import pytest
 
 from kfed_spark.cli import main
 from kfed_spark.faults import FAULT_ENV
-from kfed_spark.datasets import default_data_dir, hashed_ngram_tfidf, load
+from kfed_spark.datasets import hashed_ngram_tfidf, load
 
 from conftest import MIXTURE
-from helpers import published, report_folder, runs_of
+from helpers import needs_shared_data, published, report_folder, runs_of
 
 
 class PageParser(HTMLParser):
@@ -95,8 +95,8 @@ def test_a_failed_report_fails_the_attempt_and_a_failed_attempt_leaves_no_report
     assert capsys.readouterr().out.strip() == published_report.decode().strip()
 
 
+@needs_shared_data
 def test_real_datasets_load_as_device_tables():
-    assert default_data_dir().is_dir(), f"the shared datasets are expected at {default_data_dir()}"
     mnist = load("mnist", max_devices=8)
     rotation = mnist.column("rotation").to_numpy()
     devices = mnist.column("device_id").to_numpy()
