@@ -25,8 +25,8 @@ from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import (
     ArrayType,
     DoubleType,
-    IntegerType,
     FloatType,
+    IntegerType,
     LongType,
     NumericType,
     StringType,
