@@ -47,7 +47,13 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
 
 
 def is_local(spark_cfg: SparkConfig) -> bool:
-    return (spark_cfg.master or os.environ.get("MASTER") or "").startswith("local")
+    """Spark will run in this process's own local JVM: a local master, or none at all outside
+    spark-submit (which starts Python with PYSPARK_GATEWAY_PORT) and Spark Connect (SPARK_REMOTE);
+    PySpark then defaults to local[*]."""
+    master = spark_cfg.master or os.environ.get("MASTER")
+    if master:
+        return master.startswith("local")
+    return not {"PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"} & set(os.environ)
 
 
 def delta_package() -> str:

@@ -48,11 +48,13 @@ def mixture_path(tmp_path_factory):
 
 @pytest.fixture()
 def config(tmp_path, mixture_path):
-    """A run config over the mixture: output under tmp_path/out, run id 'first', seed 11; a process of its
-    own started on it gets the test session's settings (not Spark's defaults for big tables)."""
+    """A run config over the mixture: output under tmp_path/out, run id 'first', seed 11. A process of its
+    own started on it gets the test session's sizes (not Spark's defaults for big tables), but no master
+    and no log level: spark-submit's --master and the tests that read Spark's log decide those."""
     path = tmp_path / "kfed.yaml"
     spark_conf = json.dumps({
-        **{key: value for key, value in TEST_SPARK_CONF.items() if key != "spark.task.maxFailures"},
+        **{key: value for key, value in TEST_SPARK_CONF.items()
+           if key not in ("spark.task.maxFailures", "spark.log.level")},
         "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",  # a short-lived JVM starts faster
     })
     path.write_text(
@@ -63,7 +65,7 @@ k: {MIXTURE['k']}
 k_per_device: {MIXTURE['k_per_device']}
 seed: 11
 run_id: first
-spark: {{master: "local[2]", conf: {spark_conf}}}
+spark: {{conf: {spark_conf}}}
 """
     )
     return path
