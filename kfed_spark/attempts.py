@@ -166,10 +166,12 @@ class Ledger:
 
     def supersede_others(self, attempt: Attempt) -> None:
         """After a publish: mark the run id's earlier succeeded attempts superseded. What readers see
-        is already decided (the highest publish number wins); this only keeps the record plain."""
+        is already decided (the highest publish number wins); this only keeps the record plain. Only
+        lower numbers: a later attempt may have been published since, if this process stalled."""
         try:
             for other in self.rows():
-                if other["run_id"] == attempt.run_id and other["status"] == SUCCEEDED and other["attempt_id"] != attempt.attempt_id:
+                if (other["run_id"] == attempt.run_id and other["status"] == SUCCEEDED
+                        and other["publish_seq"] < attempt.publish_seq):
                     self.write({**other, "status": SUPERSEDED})
         except Exception as exc:
             log.warning("could not mark the earlier attempts of run %s superseded: %s", attempt.run_id, first_line(exc))
