@@ -1,0 +1,40 @@
+"""The rules of the attempt ledger that need no Spark: publish numbers, the published attempt, dead processes."""
+
+import os
+import socket
+import subprocess
+import sys
+
+from kfed_spark.attempts import committed_publish_seqs, process_gone, published_attempts
+
+
+def attempt(run_id, attempt_id, status, publish_seq):
+    return {"run_id": run_id, "attempt_id": attempt_id, "status": status, "publish_seq": publish_seq}
+
+
+ROWS = [
+    attempt("day1", "a", "superseded", 1),
+    attempt("day1", "b", "succeeded", 2),
+    attempt("day1", "c", "running", 3),  # claimed, not committed
+    attempt("day1", "d", "failed", None),
+    attempt("day2", "e", "running", 1),
+    attempt("day3", "f", "succeeded", 1),
+    attempt("day3", "g", "succeeded", 2),  # published; f is superseded but not yet marked
+]
+
+
+def test_only_committed_publish_numbers_count():
+    committed = committed_publish_seqs(ROWS)
+    assert (committed["day1"], committed["day2"], committed["day3"], committed["new"]) == (2, 0, 2, 0)
+
+
+def test_the_published_attempt_is_the_succeeded_one_with_the_highest_number():
+    assert published_attempts(ROWS) == {"day1": "b", "day3": "g"}
+
+
+def test_a_process_is_gone_only_when_certain():
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    assert process_gone(host, int(finished.stdout))
+    assert not process_gone(host, os.getpid())  # this process
+    assert not process_gone("another-host", int(finished.stdout))  # cannot tell: not gone
