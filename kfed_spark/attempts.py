@@ -226,6 +226,7 @@ class Ledger:
     def _tidy_one(self, row, committed, published, now, abandon_after) -> dict[str, Any]:
         run_id, changed = row["run_id"], dict(row)
         if row["status"] == RUNNING:
+            fenced = False
             if row["publish_seq"] <= committed[run_id]:
                 why = "abandoned: a later attempt of the run id was published, so it could never publish"
             elif process_gone(row["host"], row["pid"]):
@@ -235,9 +236,12 @@ class Ledger:
                 self.write({**row, "status": ABANDONED, "error": why}, fence=row["publish_seq"])
                 if (self.row_of(run_id, row["attempt_id"]) or {}).get("status") != ABANDONED:
                     return row  # it published just now
+                fenced = True
             else:
                 return row
-            changed.update(status=ABANDONED, error=why, finished_at=now)
+            # Only a fenced abandonment committed the attempt's publish number (committed_publish_seqs).
+            changed.update(status=ABANDONED, error=why, finished_at=now,
+                           publish_seq=row["publish_seq"] if fenced else None)
             log.info("run %s: attempt %s %s", run_id, row["attempt_id"], why)
         elif row["status"] == SUCCEEDED and published.get(run_id) != row["attempt_id"]:
             changed["status"] = SUPERSEDED
