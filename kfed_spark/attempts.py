@@ -45,7 +45,7 @@ from pyspark.sql.types import (
 
 from kfed_spark import faults
 from kfed_spark.errors import first_line
-from kfed_spark.io import AttemptConflict, OutputTables
+from kfed_spark.io import AttemptConflict, OutputTables, attempt_filter
 
 log = logging.getLogger("kfed_spark")
 
@@ -132,7 +132,7 @@ class Ledger:
         return [row.asDict() for row in self.tables.read("runs").collect()]
 
     def row_of(self, run_id: str, attempt_id: str) -> dict[str, Any] | None:
-        found = self.tables.read("runs").filter(f"run_id = '{run_id}' AND attempt_id = '{attempt_id}'").collect()
+        found = self.tables.read("runs").filter(attempt_filter(run_id, attempt_id)).collect()
         return found[0].asDict() if found else None
 
     def write(self, row: dict[str, Any], fence: int | None = None) -> None:

@@ -414,6 +414,7 @@ def command_prepare(args: argparse.Namespace) -> int:
 
 
 def command_demo(args: argparse.Namespace) -> int:
+    from kfed_spark.io import attempt_filter
     from kfed_spark.synthetic import write_mixture
 
     folder = Path(args.folder).resolve()
@@ -439,7 +440,7 @@ def command_demo(args: argparse.Namespace) -> int:
     labels = f"{result.output_path}/labels"
     query = (
         f"SELECT cluster_id, count(*) AS n_rows, count(DISTINCT device_id) AS n_devices "
-        f"FROM delta.`{labels}` WHERE run_id = 'demo' AND attempt_id = '{result.attempt_id}' "
+        f"FROM delta.`{labels}` WHERE {attempt_filter('demo', result.attempt_id)} "
         "GROUP BY cluster_id ORDER BY n_rows DESC LIMIT 5"
     )
     from pyspark.sql import SparkSession

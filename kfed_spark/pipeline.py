@@ -47,7 +47,7 @@ from kfed_spark import faults, report
 from kfed_spark.attempts import RUNS_SCHEMA, Attempt, Ledger, new_attempt_id
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import ConfigError, InputError, KFedError, describe
-from kfed_spark.io import TABLES, OutputTables, absolute, read_input, read_side_table
+from kfed_spark.io import TABLES, OutputTables, absolute, attempt_filter, read_input, read_side_table
 from kfed_spark.kernels import ServerClustering, nearest_center, server_step
 from kfed_spark.metrics import ari_of, contingency, within_cluster_cost
 
@@ -346,7 +346,7 @@ def write_attempt(
     ari = truth_cost = cells = None
     if cfg.input.truth_col:
         with timer.stage("evaluate"):
-            written = tables.read("labels").filter(f"run_id = '{run_id}' AND attempt_id = '{attempt_id}'")
+            written = tables.read("labels").filter(attempt_filter(run_id, attempt_id))
             cells = truth_contingency(written, cfg.input.truth_col)
             ari = ari_of(cells)
             truth_cost = planted_cost(clustering.valid, cfg.input.truth_col, dim)
