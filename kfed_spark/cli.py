@@ -1,5 +1,5 @@
-"""The `kfed-spark` command: run, assign, sql, report, maintain, generate, prepare, demo, bench, bench-quality,
-bench-server.
+"""The `kfed-spark` command: run, assign, sql, report, maintain, package, generate, prepare, demo, bench,
+bench-quality, bench-server.
 
 spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
 """
@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--config", help="YAML config whose output.path to use")
     report.add_argument("--json", action="store_true", help="print report.json as it is")
     report.set_defaults(handler=command_report)
+
+    package = commands.add_parser(
+        "package", help="build what spark-submit ships to executors: the package zip and a packed environment"
+    )
+    package.add_argument("--out", default="dist", help="output folder (default dist)")
+    package.add_argument("--python-prefix", metavar="PATH",
+                         help="where the executors' Python 3.11 lives, if not at this machine's prefix")
+    package.set_defaults(handler=command_package)
 
     generate = commands.add_parser("generate", help="write a heterogeneous Gaussian mixture as Parquet")
     generate.add_argument("--out", required=True, help="output folder for the Parquet file")
@@ -283,7 +291,7 @@ def command_bench_server(args: argparse.Namespace) -> int:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    cfg = spark_quiet(load_config(args.config, args.overrides), args)
+    cfg = spark_quiet(load_config(shipped_config(args.config), args.overrides), args)
     stop_on_sigterm()
     if args.dry_run:
         from kfed_spark.pipeline import plan
@@ -303,6 +311,26 @@ def command_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def shipped_config(path: str | None) -> str | None:
+    """A config given as a bare name that is no file here, under spark-submit: the file of that name
+    that `--files` shipped. In client mode spark-submit copies such files only to the executors and
+    the driver's SparkFiles folder, not to its working directory, so take it from where it was sent."""
+    import os
+
+    if path is None or Path(path).exists() or Path(path).name != path or "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return path
+    from urllib.parse import urlparse
+
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM, whose properties name the files
+    for shipped in SparkConf().get("spark.files", "").split(","):
+        local = Path(urlparse(shipped).path)
+        if local.name == path and local.exists():
+            return str(local)
+    return path
+
+
 def execute(cfg: KFedConfig, parent_run_id: str | None = None):
     """Start (or join) the SparkSession the config describes and run the job in it."""
     from kfed_spark.pipeline import run
@@ -313,7 +341,7 @@ def execute(cfg: KFedConfig, parent_run_id: str | None = None):
 
 
 def command_assign(args: argparse.Namespace) -> int:
-    cfg = spark_quiet(load_config(args.config, args.overrides), args)
+    cfg = spark_quiet(load_config(shipped_config(args.config), args.overrides), args)
     stop_on_sigterm()
     result = execute(cfg, parent_run_id=args.model_run)
     print_result(
@@ -331,7 +359,7 @@ def output_session(args: argparse.Namespace):
     from kfed_spark.session import build_session
 
     if args.config:
-        cfg = load_config(args.config, [f"output.path={args.output}"] if args.output else [])
+        cfg = load_config(shipped_config(args.config), [f"output.path={args.output}"] if args.output else [])
         output, spark_cfg = cfg.output, cfg.spark
     elif args.output:
         output, spark_cfg = OutputConfig(path=args.output), SparkConfig(master="local[2]", conf=QUIET_LOCAL_SPARK)
@@ -374,6 +402,18 @@ def command_maintain(args: argparse.Namespace) -> int:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     print(f"{len(rows)} attempts under {tables.root}: "
           + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    return 0
+
+
+def command_package(args: argparse.Namespace) -> int:
+    from kfed_spark.packaging import build
+
+    packaged = build(Path(args.out), args.python_prefix)
+    print(
+        f"wrote {packaged.package_zip} and {packaged.env_archive} ({' '.join(packaged.requirements)})\n"
+        f"ship them with: --py-files {packaged.package_zip} --archives {packaged.env_archive}#environment "
+        "--conf spark.pyspark.python=./environment/bin/python"
+    )
     return 0
 
 

@@ -1,5 +1,9 @@
 """Helpers shared by the test modules."""
 
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,3 +48,61 @@ def report_folder(out, run_id) -> Path:
     """The one report folder of a run id's attempts (tests that look at it run the id once)."""
     (folder,) = (Path(out) / "reports" / run_id).iterdir()
     return folder
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spark_home() -> Path:
+    from pyspark.find_spark_home import _find_spark_home
+
+    return Path(_find_spark_home())
+
+
+def wait_for(log: Path, text: str, times: int = 1, timeout: float = 180.0) -> None:
+    """Wait until a server's log shows a line `times` times."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and log.read_text(errors="replace").count(text) >= times:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{log} did not show {text!r} {times} time(s) in {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def wait_for_port(port: int, log: Path, timeout: float = 180.0) -> None:
+    """Wait until something listens on 127.0.0.1:port."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def servers(logs: Path):
+    """Start server processes with `start(command, env)` (each logging to logs/process<i>.log); stop them
+    all by pid on the way out, politely first."""
+    processes = []
+
+    def start(command: list[str], env: dict[str, str]) -> Path:
+        log = logs / f"process{len(processes)}.log"
+        with open(log, "w") as sink:
+            processes.append(subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env))
+        return log
+
+    try:
+        yield start
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -1,98 +1,87 @@
-"""A real Spark standalone cluster on loopback: a master and two one-core workers.
-
-The job is submitted the way the README tells cluster users (the package zipped and shipped with
---py-files, Delta through --packages) and must label every row as a local-mode run does. Local mode
-shares one process between driver and executors; a cluster does not.
+"""A real Spark standalone cluster on loopback: a master and two one-core workers whose `python3` has no
+numpy, and no PYSPARK_PYTHON. The README's cluster commands, read out of README.md, must build and ship
+the job's Python environment, and label every row as a local-mode run does.
 """
 
 import os
-import socket
+import re
 import subprocess
 import sys
-import time
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from kfed_spark.session import delta_package
 
+from conftest import MIXTURE
+from helpers import free_port, servers, spark_home, wait_for
 from test_job import ROOT, labels_of, run_cli
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+CLUSTER_SECTION = "## On a cluster with spark-submit"
 
 
-def spark_home() -> Path:
-    from pyspark.find_spark_home import _find_spark_home
+def readme_cluster_commands() -> list[str]:
+    """The commands of the first bash block of the README's cluster section, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(CLUSTER_SECTION):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
-    return Path(_find_spark_home())
+
+def bare_environment(folder: Path) -> dict[str, str]:
+    """What the workers see: a PATH whose python3 is a venv without packages, no PYSPARK_* or venv."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    assert subprocess.run([folder / "bin" / "python3", "-c", "import numpy"], capture_output=True).returncode != 0
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_"))}
+    return {**env, "PATH": f"{folder / 'bin'}:/usr/bin:/bin", "SPARK_LOCAL_IP": "127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
 def standalone_master(tmp_path_factory):
-    """Start the master and two workers from pyspark's own spark-class; stop them by pid afterwards."""
+    """A master and two workers started from pyspark's own spark-class, stopped by pid afterwards."""
     logs = tmp_path_factory.mktemp("standalone")
+    env = bare_environment(logs / "bare")
     port = free_port()
     url = f"spark://127.0.0.1:{port}"
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
     spark_class = str(spark_home() / "bin" / "spark-class")
-    commands = [
-        [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-         "--webui-port", str(free_port())],
-    ] + [
-        [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1",
-         "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(logs / f"work{i}"), url]
-        for i in range(2)
-    ]
-    processes = []
-    try:
-        for i, command in enumerate(commands):
-            log = open(logs / f"process{i}.log", "w")
-            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
-            if i == 0:
-                wait_for(logs / "process0.log", "Starting Spark master", 1)
-        wait_for(logs / "process0.log", "Registering worker", 2)
+    with servers(logs) as start:
+        master_log = start([spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                            "--port", str(port), "--webui-port", str(free_port())], env)
+        wait_for(master_log, "Starting Spark master")
+        for i in range(2):
+            start([spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1",
+                   "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(logs / f"work{i}"), url], env)
+        wait_for(master_log, "Registering worker", 2)
         yield url
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
 
 
-def wait_for(log: Path, text: str, times: int, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and log.read_text(errors="replace").count(text) >= times:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"{log} did not show {text!r} {times} time(s) in {timeout} s:\n{log.read_text()[-3000:]}")
+def test_readme_cluster_commands_label_as_local_mode_does(spark, config, tmp_path, standalone_master, mixture_path):
+    package, submit = readme_cluster_commands()
+    assert package.startswith("kfed-spark package") and submit.startswith("spark-submit --master spark://HOST:7077")
+    assert f"--packages {delta_package()}" in submit  # the README names the jar matching the installed versions
 
-
-def test_standalone_cluster_labels_equal_local_mode(spark, config, tmp_path, standalone_master):
-    assert run_cli(config) == 0
-    package = tmp_path / "kfed_spark.zip"
-    with zipfile.ZipFile(package, "w") as archive:  # what `python -m zipfile -c kfed_spark.zip kfed_spark/` makes
-        for source in sorted((ROOT / "kfed_spark").glob("*.py")):
-            archive.write(source, f"kfed_spark/{source.name}")
-    result = subprocess.run(
-        [str(spark_home() / "bin" / "spark-submit"), "--master", standalone_master,
-         "--packages", delta_package(), "--py-files", str(package),
-         "--conf", "spark.executor.memory=512m", "--conf", "spark.executor.cores=1",
-         "--conf", "spark.sql.shuffle.partitions=4", "--conf", "spark.databricks.delta.snapshotPartitions=2",
-         "--conf", "spark.ui.enabled=false",
-         str(ROOT / "jobs" / "kfed_job.py"), "--config", str(config), "--set", f"output.path={tmp_path / 'cluster'}"],
-        capture_output=True, text=True, check=False, timeout=900,
-        env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable},
+    assert run_cli(config) == 0  # the local-mode run to compare with
+    work = tmp_path / "clone"  # the commands' relative paths, as in a clone
+    work.mkdir()
+    for folder in ("jobs", "conf"):
+        (work / folder).symlink_to(ROOT / folder)
+    spark_conf = work / "spark-conf"  # small executors and the tests' sizes, without touching the commands
+    spark_conf.mkdir()
+    (spark_conf / "spark-defaults.conf").write_text(
+        "spark.executor.memory 512m\nspark.executor.cores 1\nspark.ui.enabled false\n"
+        "spark.sql.shuffle.partitions 4\nspark.databricks.delta.snapshotPartitions 2\n"
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    # The submitting machine: kfed-spark installed and on PATH, as after the README's install command.
+    env = {**bare_environment(tmp_path / "bare"), "SPARK_CONF_DIR": str(spark_conf),
+           "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    overrides = (f" --set input.path={mixture_path} --set input.format=parquet --set output.path={tmp_path / 'cluster'}"
+                 f" --set k={MIXTURE['k']} --set k_per_device={MIXTURE['k_per_device']} --set seed=11"
+                 " --set run_id=first --set local_partitions=4 --set output.database=null")
+    for command in (package, submit.replace("spark://HOST:7077", standalone_master) + overrides):
+        result = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True,
+                                timeout=900)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-4000:]}"
     assert "app-" in result.stderr  # it ran as an application of the standalone master, not in local mode
     expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
     got = labels_of(spark, tmp_path / "cluster", "first").select("row_id", "cluster_id").orderBy("row_id").collect()

@@ -1,0 +1,20 @@
+"""What `kfed-spark package` ships (fast: the environment itself is built by tests/test_cluster.py)."""
+
+import zipfile
+from importlib.metadata import version
+
+from kfed_spark.packaging import runtime_requirements, write_package_zip
+
+
+def test_the_environment_pins_the_job_dependencies_at_the_versions_installed_here():
+    requirements = runtime_requirements()
+    assert f"numpy=={version('numpy')}" in requirements and f"pyarrow=={version('pyarrow')}" in requirements
+    # the cluster's Spark provides pyspark; Delta's jar comes with --packages; test tools stay out
+    assert not [r for r in requirements if r.startswith(("pyspark", "delta-spark", "pytest", "apache-airflow"))]
+
+
+def test_the_package_zip_holds_every_module_under_its_package_name(tmp_path):
+    with zipfile.ZipFile(write_package_zip(tmp_path / "kfed_spark.zip")) as archive:
+        names = archive.namelist()
+    assert "kfed_spark/pipeline.py" in names and "kfed_spark/__init__.py" in names
+    assert all(name.startswith("kfed_spark/") and name.endswith(".py") for name in names)
