@@ -1,28 +1,59 @@
 """Airflow 3 DAG `kfed_daily`: one k-FED run per day, then a check of what the run wrote.
 
 kfed_cluster submits jobs/kfed_job.py with SparkSubmitOperator (connection `spark_default` says
-where: local, yarn, spark://host:7077, k8s://...), with the run id taken from the logical date.
-check_run fails the DAG run when the `runs` table has no published (succeeded) attempt of that run
-id, or when the run quarantined more than `max_quarantine_share` of its rows. Retries are safe: an
-attempt is published whole or not at all, and a retry replaces the run. It reads the Delta table with
-delta-rs, so the Airflow workers need no Spark. Set the params at trigger time or through the
-KFED_* environment variables below.
+where: local, yarn, spark://host:7077, k8s://...), shipping what `kfed-spark package` built (the
+package zip and the packed environment, so the executors need no Python packages of their own). The run
+id is the logical date (2026-11-29) when the DAG run has one, so a retried or re-triggered day replaces
+that day's run; a run without one (manual or asset-triggered) is a run of its own, named after the DAG
+run. check_run fails the DAG run when the `runs` table has no published attempt of that run id, or when
+the run quarantined more than `max_quarantine_share` of its rows. Retries are safe: an attempt is
+published whole or not at all, and a task killed on its timeout leaves an attempt that the next one
+tidies away. check_run reads the Delta table with delta-rs, so the Airflow workers need no Spark.
+Set the params at trigger time or through the KFED_* environment variables below.
 """
 
+import logging
 import os
+import re
 from pathlib import Path
 
 import pendulum
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, task
 
+log = logging.getLogger(__name__)
+
 PROJECT = Path(__file__).resolve().parents[1]
+DIST = Path(os.environ.get("KFED_DIST", PROJECT / "dist"))  # what `kfed-spark package --out dist` wrote
 DEFAULTS = {
     "config": os.environ.get("KFED_CONFIG", str(PROJECT / "conf" / "cluster.yaml")),
     "output": os.environ.get("KFED_OUTPUT", "s3a://my-bucket/kfed"),
     "max_quarantine_share": float(os.environ.get("KFED_MAX_QUARANTINE_SHARE", "0.05")),
 }
 DELTA_PACKAGE = os.environ.get("KFED_DELTA_PACKAGE", "io.delta:delta-spark_4.2_2.13:4.4.0")
+DRIVER_PYTHON = os.environ.get("KFED_DRIVER_PYTHON")
+"""In client mode (standalone, or YARN client) the driver runs on the Airflow worker: a Python there with
+kfed-spark installed (Airflow's own environment has not). Leave unset in cluster deploy mode, where the
+driver uses the packed environment too."""
+TIMEOUT = pendulum.duration(minutes=int(os.environ.get("KFED_TIMEOUT_MINUTES", "120")))
+
+
+def kfed_run_id(logical_date, dag_run_id: str) -> str:
+    """The k-FED run id of a DAG run: its logical day, or its own id (made a valid run id) without one."""
+    if logical_date is not None:
+        return logical_date.strftime("%Y-%m-%d")
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", dag_run_id)[:128]
+
+
+RUN_ID = "{{ kfed_run_id(logical_date, run_id) }}"
+
+
+def log_failure(context) -> None:
+    """on_failure_callback: say which k-FED run failed and why, in the task's log."""
+    dag_run = context["dag_run"]
+    log.error("k-FED run %s (DAG run %s, task %s, try %s) failed: %s",
+              kfed_run_id(dag_run.logical_date, dag_run.run_id), dag_run.run_id, context["task_instance"].task_id,
+              context["task_instance"].try_number, context.get("exception"))
 
 
 @task
@@ -54,19 +85,28 @@ with DAG(
     catchup=False,
     max_active_runs=1,
     params=DEFAULTS,
-    default_args={"retries": 2, "retry_delay": pendulum.duration(minutes=10)},
+    user_defined_macros={"kfed_run_id": kfed_run_id},
+    default_args={"retries": 2, "retry_delay": pendulum.duration(minutes=10), "on_failure_callback": log_failure},
     tags=["kfed"],
 ) as dag:
     cluster = SparkSubmitOperator(
         task_id="kfed_cluster",
         conn_id="spark_default",
         application=str(PROJECT / "jobs" / "kfed_job.py"),
-        name="kfed-{{ ds_nodash }}",
+        name=f"kfed-{RUN_ID}",
         packages=DELTA_PACKAGE,
+        py_files=str(DIST / "kfed_spark.zip"),
+        archives=f"{DIST / 'kfed-env.tar.gz'}#environment",
+        conf={
+            "spark.pyspark.python": "./environment/bin/python",
+            **({"spark.pyspark.driver.python": DRIVER_PYTHON} if DRIVER_PYTHON else {}),
+        },
+        # SIGTERM on timeout: the job records its attempt as failed and the retry starts clean.
+        execution_timeout=TIMEOUT,
         application_args=[
             "--config", "{{ params.config }}",
-            "--set", "run_id={{ ds }}",
+            "--set", f"run_id={RUN_ID}",
             "--set", "output.path={{ params.output }}",
         ],
     )
-    cluster >> check_run("{{ params.output }}", "{{ ds }}", "{{ params.max_quarantine_share }}")
+    cluster >> check_run("{{ params.output }}", RUN_ID, "{{ params.max_quarantine_share }}")

@@ -41,6 +41,8 @@ class OutputConfig:
 @dataclass(frozen=True)
 class SparkConfig:
     master: str | None = None
+    remote: str | None = None
+    """A Spark Connect server, sc://host:port (SPARK_REMOTE does the same); master is then the server's."""
     app_name: str = "kfed-spark"
     conf: dict[str, str] = field(default_factory=dict)
 

@@ -24,6 +24,12 @@ class InputError(KFedError):
     """The input table is missing or does not fit the data contract."""
 
 
+class UnreachableError(KFedError):
+    """A server the job needs (Spark Connect) does not answer."""
+
+    exit_code = 1
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message: Spark's own messages carry a JVM trace after it."""
     text = str(exc).strip()
@@ -46,7 +52,7 @@ def describe(exc: BaseException) -> str | None:
         text = first_line(exc)
     else:
         return None
-    if "delta" in text.lower() and ("ClassNotFoundException" in text or "Cannot find" in text):
+    if "delta" in text.lower() and ("ClassNotFoundException" in text or "find" in text.lower()):
         from kfed_spark.session import delta_package
 
         return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {delta_package()}"

@@ -186,7 +186,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         return self._copyValues(model)
 
     def write(self) -> MLWriter:
-        return DefaultParamsWriter(self)
+        return _DataFrameWriter(self)
 
     @classmethod
     def read(cls) -> MLReader["KFed"]:
@@ -265,24 +265,41 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         )
 
     def write(self) -> MLWriter:
-        return _KFedModelWriter(self)
+        return _model_writer(self)
 
     @classmethod
     def read(cls) -> MLReader["KFedModel"]:
         return _KFedModelReader(cls)
 
 
-class _KFedModelWriter(MLWriter):
-    """Params and global centers as metadata; the local centers as Parquet under data/."""
+class _DataFrameWriter(MLWriter):
+    """Saves params (and any extra metadata) in DefaultParamsReader's layout, and optional data as Parquet
+    under data/, with DataFrame writes only: MLWriter's own overwrite deletes the folder through the JVM,
+    which a Spark Connect session does not have."""
 
-    def __init__(self, instance: KFedModel):
+    def __init__(self, instance: Params, extra_metadata: dict | None = None, data: pa.Table | None = None):
         super().__init__()
-        self.instance = instance
+        self.instance, self.extra_metadata, self.data = instance, extra_metadata, data
 
-    def saveImpl(self, path: str) -> None:
-        centers = [[float(v) for v in center] for center in self.instance._centers]
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, extraMetadata={"centers": centers})
-        self.sparkSession.createDataFrame(self.instance._local).write.parquet(f"{path}/{LOCAL_CENTERS_DATA}")
+    def save(self, path: str) -> None:
+        from pyspark.errors import AnalysisException
+
+        spark, mode = self.sparkSession, "overwrite" if self.shouldOverwrite else "errorifexists"
+        metadata = DefaultParamsWriter._get_metadata_to_save(self.instance, spark, self.extra_metadata)
+        try:
+            spark.createDataFrame([(metadata,)], schema=["value"]).coalesce(1).write.mode(mode).text(f"{path}/metadata")
+        except AnalysisException as exc:
+            if exc.getCondition() != "PATH_ALREADY_EXISTS":
+                raise
+            raise FileExistsError(f"{path} already holds a saved instance: use write().overwrite().save(path)") from None
+        if self.data is not None:
+            spark.createDataFrame(self.data).write.mode(mode).parquet(f"{path}/{LOCAL_CENTERS_DATA}")
+
+
+def _model_writer(model: KFedModel) -> _DataFrameWriter:
+    """Params and global centers as metadata; the local centers as Parquet under data/."""
+    centers = [[float(v) for v in center] for center in model._centers]
+    return _DataFrameWriter(model, {"centers": centers}, model._local)
 
 
 class _KFedModelReader(MLReader["KFedModel"]):

@@ -2,31 +2,53 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import sys
 from importlib.metadata import version
+from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
 from kfed_spark.config import SparkConfig
+from kfed_spark.errors import UnreachableError
+
+log = logging.getLogger(__name__)
 
 DELTA_SQL_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
 }
+SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
+"""Settings a Spark Connect client may set on its session; the rest belong to the server."""
+DEFAULT_CONNECT_PORT = 15002
 DELTA_JARS_ENV = "KFED_DELTA_JARS"
 """Comma-separated local Delta jars, for machines that cannot resolve packages from Maven."""
 
 
 def build_session(spark_cfg: SparkConfig) -> SparkSession:
-    """A SparkSession with the Delta extensions.
+    """A SparkSession with the Delta extensions, or a Spark Connect session.
 
     Delta's jars come, in this order, from KFED_DELTA_JARS, from jars the configuration already
     names (spark.jars / spark.jars.packages, as on a cluster), or from Maven through
     delta-spark's configure_spark_with_delta_pip, which picks the jar matching the installed
-    pyspark. Under spark-submit the JVM is already up, so --packages or --jars decide instead.
+    pyspark. Under spark-submit the JVM is already up, so --packages or --jars decide instead (and
+    delta-spark's Python package, which a packed environment leaves out, is not imported). Over
+    Spark Connect the server has its own jars, extensions and master; only the SQL settings of the
+    configuration reach it.
     """
     builder = SparkSession.builder.appName(spark_cfg.app_name)
+    remote = connect_url(spark_cfg)
+    if remote:
+        check_reachable(remote)
+        server_side = sorted(key for key in spark_cfg.conf if not key.startswith(SESSION_CONF_PREFIXES))
+        if server_side:
+            log.debug("over Spark Connect the server decides %s: not sent", ", ".join(server_side))
+        for key, value in spark_cfg.conf.items():
+            if key.startswith(SESSION_CONF_PREFIXES):
+                builder = builder.config(key, conf_value(value))
+        return builder.remote(remote).getOrCreate()
     if spark_cfg.master:
         builder = builder.master(spark_cfg.master)
     if is_local(spark_cfg) and "PYSPARK_PYTHON" not in os.environ:
@@ -35,21 +57,42 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         # reads the workers' interpreter from this variable when it creates the SparkContext.
         os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
     for key, value in {**DELTA_SQL_CONF, **spark_cfg.conf}.items():
-        builder = builder.config(key, str(value).lower() if isinstance(value, bool) else str(value))
+        builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
     if local_jars:
         builder = builder.config("spark.jars", local_jars)
-    elif not {"spark.jars", "spark.jars.packages"} & set(spark_cfg.conf):
+    elif not {"spark.jars", "spark.jars.packages"} & set(spark_cfg.conf) and "PYSPARK_GATEWAY_PORT" not in os.environ:
         from delta import configure_spark_with_delta_pip
 
         builder = configure_spark_with_delta_pip(builder)
     return builder.getOrCreate()
 
 
+def conf_value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_reachable(remote: str, timeout: float = 10.0) -> None:
+    """Fail in one line when nothing listens at the Connect URL: the client would otherwise retry for
+    minutes before giving up."""
+    parsed = urlparse(remote.replace("sc://", "http://", 1))
+    try:
+        socket.create_connection((parsed.hostname, parsed.port or DEFAULT_CONNECT_PORT), timeout=timeout).close()
+    except OSError as exc:
+        raise UnreachableError(f"cannot reach the Spark Connect server at {remote}: {exc.strerror or exc}") from None
+
+
+def connect_url(spark_cfg: SparkConfig) -> str | None:
+    """The Spark Connect server to use: spark.remote of the config, else SPARK_REMOTE."""
+    return spark_cfg.remote or os.environ.get("SPARK_REMOTE")
+
+
 def is_local(spark_cfg: SparkConfig) -> bool:
     """Spark will run in this process's own local JVM: a local master, or none at all outside
     spark-submit (which starts Python with PYSPARK_GATEWAY_PORT) and Spark Connect (SPARK_REMOTE);
     PySpark then defaults to local[*]."""
+    if connect_url(spark_cfg):
+        return False
     master = spark_cfg.master or os.environ.get("MASTER")
     if master:
         return master.startswith("local")

@@ -74,6 +74,8 @@ def test_save_load_and_pipeline_round_trip(spark, mixture_path, tmp_path):
     rows = spark.read.parquet(mixture_path)
     model = estimator().fit(rows)
     model.write().overwrite().save(str(tmp_path / "model"))
+    with pytest.raises(FileExistsError, match="use write\\(\\).overwrite\\(\\).save"):
+        model.write().save(str(tmp_path / "model"))
     loaded = KFedModel.load(str(tmp_path / "model"))
     np.testing.assert_array_equal(np.stack(loaded.clusterCenters()), np.stack(model.clusterCenters()))
     assert (loaded.getK(), loaded.getKPerDevice(), loaded.uid) == (model.getK(), model.getKPerDevice(), model.uid)
