@@ -45,7 +45,7 @@ def kfed_run_id(logical_date, dag_run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.:-]", "_", dag_run_id)[:128]
 
 
-RUN_ID = "{{ kfed_run_id(logical_date, run_id) }}"
+RUN_ID = "{{ kfed_run_id(dag_run.logical_date, dag_run.run_id) }}"  # logical_date is undefined without one
 
 
 def log_failure(context) -> None:

@@ -1,12 +1,16 @@
 """One local SparkSession with Delta for the whole test run, built by the product's own builder."""
 
 import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from kfed_spark.config import SparkConfig
 from kfed_spark.session import build_session
 from kfed_spark.synthetic import write_mixture
+
+from helpers import bare_environment, free_port, servers, spark_home, wait_for
 
 collect_ignore = ["airflow"]  # run inside the Airflow environment by test_airflow.py
 
@@ -69,3 +73,33 @@ spark: {{conf: {spark_conf}}}
 """
     )
     return path
+
+
+@dataclass(frozen=True)
+class StandaloneCluster:
+    url: str
+    work_dirs: list[Path]
+
+    def applications(self) -> set[str]:
+        """The applications whose executors ran on a worker."""
+        return {app.name for work in self.work_dirs if work.is_dir() for app in work.glob("app-*")}
+
+
+@pytest.fixture(scope="session")
+def standalone_master(tmp_path_factory):
+    """A master and two workers started from pyspark's own spark-class, stopped by pid afterwards; their
+    python3 has no numpy."""
+    logs = tmp_path_factory.mktemp("standalone")
+    env = bare_environment(logs / "bare")
+    port = free_port()
+    url = f"spark://127.0.0.1:{port}"
+    spark_class = str(spark_home() / "bin" / "spark-class")
+    with servers(logs) as start:
+        master_log = start([spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                            "--port", str(port), "--webui-port", str(free_port())], env)
+        wait_for(master_log, "Starting Spark master")
+        for i in range(2):
+            start([spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1",
+                   "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(logs / f"work{i}"), url], env)
+        wait_for(master_log, "Registering worker", 2)
+        yield StandaloneCluster(url, [logs / f"work{i}" for i in range(2)])

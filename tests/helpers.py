@@ -1,7 +1,9 @@
 """Helpers shared by the test modules."""
 
+import os
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,3 +108,12 @@ def servers(logs: Path):
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def bare_environment(folder: Path) -> dict[str, str]:
+    """What the workers see: a PATH whose python3 is a venv without packages, no PYSPARK_* or venv."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    assert subprocess.run([folder / "bin" / "python3", "-c", "import numpy"], capture_output=True).returncode != 0
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_"))}
+    return {**env, "PATH": f"{folder / 'bin'}:/usr/bin:/bin", "SPARK_LOCAL_IP": "127.0.0.1"}

@@ -1,4 +1,5 @@
-"""The Airflow DAG, for real: DagBag parsing and dag.test() submitting the job to a local spark-submit.
+"""The Airflow DAG, for real: DagBag parsing, and dag.test() submitting the job, with the package and the
+packed environment `kfed-spark package` built, to the standalone cluster whose workers' python3 has no numpy.
 
 Airflow runs in its own virtual environment (the `airflow` extra of pyproject.toml), built here on
 first use and kept under ~/.cache/kfed-spark; the tests in tests/airflow run inside it.
@@ -11,6 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from kfed_spark.packaging import build
 from kfed_spark.session import delta_package
 
 from conftest import MIXTURE
@@ -30,29 +32,33 @@ def airflow_python() -> Path:
     return VENV / "bin" / "python"
 
 
-def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path):
+def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path, standalone_master):
     from pyspark.find_spark_home import _find_spark_home
 
     python = airflow_python()
+    build(tmp_path / "dist")
     config = tmp_path / "kfed.yaml"
     config.write_text(
         f"input: {{path: \"{mixture_path}\"}}\noutput: {{path: unused}}\n"
         f"k: {MIXTURE['k']}\nk_per_device: {MIXTURE['k_per_device']}\nseed: 1\n"
         "spark: {conf: {spark.sql.shuffle.partitions: '2', spark.databricks.delta.snapshotPartitions: '2', "
-        "spark.ui.enabled: 'false'}}\n"
+        "spark.ui.enabled: 'false', spark.executor.memory: 512m}}\n"
     )
+    host, port = standalone_master.url.rsplit(":", 1)
     env = {
-        **os.environ,
+        **{key: value for key, value in os.environ.items() if not key.startswith(("PYSPARK", "VIRTUAL_ENV"))},
         "AIRFLOW_HOME": str(tmp_path / "airflow"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "jobs"),
-        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": host, "port": int(port)}),
         "KFED_CONFIG": str(config),
         "KFED_OUTPUT": str(tmp_path / "out"),
+        "KFED_DIST": str(tmp_path / "dist"),
         "KFED_DELTA_PACKAGE": delta_package(),
-        "PATH": f"{_find_spark_home()}/bin:{os.environ['PATH']}",
-        "PYSPARK_PYTHON": sys.executable,
-        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "KFED_DRIVER_PYTHON": sys.executable,  # client mode: the driver runs where Airflow runs spark-submit
+        "PATH": f"{_find_spark_home()}/bin:/usr/bin:/bin",
+        "SPARK_HOME": _find_spark_home(),
+        "SPARK_LOCAL_IP": "127.0.0.1",
     }
     migrate = subprocess.run([str(python), "-m", "airflow", "db", "migrate"], env=env, capture_output=True, text=True)
     assert migrate.returncode == 0, migrate.stderr[-3000:]
@@ -62,4 +68,4 @@ def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path):
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    assert "3 passed" in result.stdout
+    assert "4 passed" in result.stdout

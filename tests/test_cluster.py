@@ -3,18 +3,15 @@ numpy, and no PYSPARK_PYTHON. The README's cluster commands, read out of README.
 the job's Python environment, and label every row as a local-mode run does.
 """
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from kfed_spark.session import delta_package
 
 from conftest import MIXTURE
-from helpers import free_port, servers, spark_home, wait_for
+from helpers import bare_environment
 from test_job import ROOT, labels_of, run_cli
 
 CLUSTER_SECTION = "## On a cluster with spark-submit"
@@ -28,40 +25,13 @@ def readme_cluster_commands() -> list[str]:
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
-def bare_environment(folder: Path) -> dict[str, str]:
-    """What the workers see: a PATH whose python3 is a venv without packages, no PYSPARK_* or venv."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
-    assert subprocess.run([folder / "bin" / "python3", "-c", "import numpy"], capture_output=True).returncode != 0
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_"))}
-    return {**env, "PATH": f"{folder / 'bin'}:/usr/bin:/bin", "SPARK_LOCAL_IP": "127.0.0.1"}
-
-
-@pytest.fixture(scope="module")
-def standalone_master(tmp_path_factory):
-    """A master and two workers started from pyspark's own spark-class, stopped by pid afterwards."""
-    logs = tmp_path_factory.mktemp("standalone")
-    env = bare_environment(logs / "bare")
-    port = free_port()
-    url = f"spark://127.0.0.1:{port}"
-    spark_class = str(spark_home() / "bin" / "spark-class")
-    with servers(logs) as start:
-        master_log = start([spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                            "--port", str(port), "--webui-port", str(free_port())], env)
-        wait_for(master_log, "Starting Spark master")
-        for i in range(2):
-            start([spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1",
-                   "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(logs / f"work{i}"), url], env)
-        wait_for(master_log, "Registering worker", 2)
-        yield url
-
-
 def test_readme_cluster_commands_label_as_local_mode_does(spark, config, tmp_path, standalone_master, mixture_path):
     package, submit = readme_cluster_commands()
     assert package.startswith("kfed-spark package") and submit.startswith("spark-submit --master spark://HOST:7077")
     assert f"--packages {delta_package()}" in submit  # the README names the jar matching the installed versions
 
     assert run_cli(config) == 0  # the local-mode run to compare with
+    applications_before = len(standalone_master.applications())
     work = tmp_path / "clone"  # the commands' relative paths, as in a clone
     work.mkdir()
     for folder in ("jobs", "conf"):
@@ -78,11 +48,11 @@ def test_readme_cluster_commands_label_as_local_mode_does(spark, config, tmp_pat
     overrides = (f" --set input.path={mixture_path} --set input.format=parquet --set output.path={tmp_path / 'cluster'}"
                  f" --set k={MIXTURE['k']} --set k_per_device={MIXTURE['k_per_device']} --set seed=11"
                  " --set run_id=first --set local_partitions=4 --set output.database=null")
-    for command in (package, submit.replace("spark://HOST:7077", standalone_master) + overrides):
+    for command in (package, submit.replace("spark://HOST:7077", standalone_master.url) + overrides):
         result = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True,
                                 timeout=900)
         assert result.returncode == 0, f"{command}\n{result.stderr[-4000:]}"
-    assert "app-" in result.stderr  # it ran as an application of the standalone master, not in local mode
+    assert len(standalone_master.applications()) == applications_before + 1  # it ran on the workers
     expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
     got = labels_of(spark, tmp_path / "cluster", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
     assert got == expected

@@ -1,6 +1,7 @@
 """Runs inside the Airflow virtual environment that tests/test_airflow.py builds (Airflow's Spark
 provider installs the Spark Connect client as `pyspark`, so it cannot share the job's environment)."""
 
+import logging
 import os
 from pathlib import Path
 
@@ -21,25 +22,50 @@ OUTPUT = os.environ["KFED_OUTPUT"]
 def dag():
     bag = DagBag(dag_folder=str(DAG_FILE))
     assert bag.import_errors == {}
-    return bag.dags["kfed_daily"]
+    dag = bag.dags["kfed_daily"]
+    assert all(task.retries == 2 for task in dag.tasks)
+    for task in dag.tasks:  # dag.test() would wait out the retry delay before showing a failure
+        task.retries = 0
+    return dag
 
 
-def test_dag_has_the_tasks_and_schedule(dag):
+def runs():
+    return DeltaTable(f"{OUTPUT}/runs").to_pyarrow_table().to_pylist()
+
+
+def test_dag_has_the_tasks_schedule_and_shipping(dag):
     assert set(dag.task_ids) == {"kfed_cluster", "check_run"}
     assert dag.get_task("check_run").upstream_task_ids == {"kfed_cluster"}
     assert dag.schedule == "0 3 * * *" and not dag.catchup
     submit = dag.get_task("kfed_cluster")
-    args = submit.render_template(submit.application_args, {"ds": "2026-11-29", "params": dag.params})
-    assert args == ["--config", os.environ["KFED_CONFIG"], "--set", "run_id=2026-11-29", "--set", f"output.path={OUTPUT}"]
+    assert submit.execution_timeout and submit.on_failure_callback
+    dist = os.environ["KFED_DIST"]
+    assert (submit.py_files, submit._archives) == (f"{dist}/kfed_spark.zip", f"{dist}/kfed-env.tar.gz#environment")
+    assert submit.conf["spark.pyspark.python"] == "./environment/bin/python"
 
 
-def test_dag_runs_the_job_and_checks_it(dag):
+def test_dag_runs_the_job_on_the_cluster_and_checks_it(dag):
     run = dag.test(logical_date=pendulum.datetime(2026, 11, 29, tz="UTC"))
     assert run.state == "success", [(ti.task_id, ti.state) for ti in run.get_task_instances()]
-    runs = DeltaTable(f"{OUTPUT}/runs").to_pyarrow_table().to_pylist()
-    assert [(r["run_id"], r["status"]) for r in runs] == [("2026-11-29", "succeeded")]
-    labels = DeltaTable(f"{OUTPUT}/labels").to_pyarrow_table(filters=[("attempt_id", "=", runs[0]["attempt_id"])])
-    assert labels.num_rows == runs[0]["n_labelled"] == runs[0]["n_input"]
+    assert [(r["run_id"], r["status"]) for r in runs()] == [("2026-11-29", "succeeded")]
+    labels = DeltaTable(f"{OUTPUT}/labels").to_pyarrow_table(filters=[("attempt_id", "=", runs()[0]["attempt_id"])])
+    assert labels.num_rows == runs()[0]["n_labelled"] == runs()[0]["n_input"]
+
+
+def test_a_run_without_logical_date_is_named_after_its_dag_run(dag, caplog):
+    """Manual and asset-triggered runs in Airflow 3 have no logical date: `ds` would not render."""
+    run = dag.test(logical_date=None)
+    assert run.logical_date is None and run.state == "success"
+    manual = [r for r in runs() if r["run_id"] != "2026-11-29"]
+    assert [(r["run_id"], r["status"]) for r in manual] == [(run.run_id.replace("+", "_"), "succeeded")]
+
+    # The failure callback names the k-FED run and the error, with the real DAG run and task instance.
+    callbacks = dag.get_task("kfed_cluster").on_failure_callback
+    log_failure = callbacks[0] if isinstance(callbacks, list) else callbacks
+    instance = run.get_task_instances()[0]
+    with caplog.at_level(logging.ERROR):
+        log_failure({"dag_run": run, "task_instance": instance, "exception": ValueError("boom")})
+    assert f"k-FED run {run.run_id.replace('+', '_')} (DAG run {run.run_id}" in caplog.text and "boom" in caplog.text
 
 
 def test_check_fails_a_run_that_quarantined_too_much(dag):
