@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.types import StructType
+from pyspark.sql.types import StructField, StructType
 
 from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
 from kfed_spark.errors import InputError, KFedError, first_line
@@ -46,10 +46,75 @@ LATEST_ATTEMPT = (
     + ") ORDER BY finished_at DESC, run_id DESC LIMIT 1"
 )
 """The published attempt of the newest succeeded run."""
+TABLE_COMMENTS = {
+    "labels": "k-FED: every valid input row with its global cluster (cluster_id), one partition per attempt "
+              "of a run; read the published attempt through the labels view or the runs table",
+    "centers": "k-FED: the k global cluster centers of each attempt of a run",
+    "local_centers": "k-FED: the local centers each device shared (the only data that left a device), with "
+                     "the global cluster each one joined",
+    "quarantine": "k-FED: input rows that could not be clustered, with the reason",
+    "runs": "k-FED: one row per attempt of a run; the succeeded attempt with the highest publish_seq of a "
+            "run_id is the published one",
+}
+"""Each output table's Delta comment (DESCRIBE DETAIL shows it as description)."""
+COLUMN_COMMENTS = {
+    "run_id": "the run (re-running a run id replaces its published attempt)",
+    "attempt_id": "the attempt of the run that wrote the row; only the published attempt's rows count",
+    "local_cluster_id": "the device's local cluster the row belongs to",
+    "center": "the center's coordinates, one per feature",
+    "sse": "sum of squared distances of the local cluster's rows to its center",
+    "reason": "why the row was not clustered",
+    "status": "running, succeeded, failed, abandoned or superseded",
+    "error": "the one-line error of a failed or abandoned attempt",
+    "publish_seq": "the attempt's publish number: the succeeded attempt with the highest one is published",
+    "rows_removed": "whether the rows of this unpublished attempt were deleted from the other tables",
+    "host": "the host of the driver process of the attempt",
+    "pid": "the process id of the driver of the attempt",
+    "parent_run_id": "for a run made by assign: the run whose model labelled the rows",
+    "started_at": "when the attempt started (UTC)",
+    "finished_at": "when the attempt finished (UTC)",
+    "input": "the input table or path",
+    "k": "global clusters asked for",
+    "k_per_device": "local clusters per device: a number, a column or auto",
+    "seed": "the run seed; every random draw is seeded from it and the device id",
+    "seeding": "how the local step seeds its clusters",
+    "server_refine": "how the server step refines the merged centers (lloyd or none)",
+    "label_mode": "how rows get their global cluster (induced from their local center, or nearest)",
+    "dim": "number of features",
+    "n_input": "input rows",
+    "n_labelled": "rows written to labels",
+    "n_quarantined": "rows written to quarantine",
+    "n_devices": "devices",
+    "n_local_centers": "local centers the devices shared",
+    "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
+    "ari": "adjusted Rand index against the truth column, if the input has one",
+    "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
+    "timings": "seconds spent in each stage",
+    "config": "the run's full configuration, as JSON",
+    "versions": "versions of kfed-spark, Spark, Delta and the numeric libraries",
+}
+"""Delta comments of the output columns; a column not named here is the input's and says so."""
+TABLE_COLUMN_COMMENTS = {
+    ("labels", "cluster_id"): "the global cluster of the row",
+    ("centers", "cluster_id"): "the global cluster",
+    ("centers", "n_points"): "rows in the cluster",
+    ("centers", "n_devices"): "devices with rows in the cluster",
+    ("local_centers", "device_id"): "the device",
+    ("local_centers", "n_points"): "the device's rows in the local cluster",
+    ("local_centers", "cluster_id"): "the global cluster the local center joined",
+}
 LOG_ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint(?:\.\d+\.\d+)?\.parquet|crc)$")
 """A commit, checkpoint or checksum file of a Delta log, by version."""
 TRANSACTION_CONFLICT = "DELTA_CONCURRENT_TRANSACTION"
 """Delta's error when another writer committed the same txnAppId at the same time."""
+
+
+def column_comment(table: str, column: str) -> str:
+    return TABLE_COLUMN_COMMENTS.get((table, column)) or COLUMN_COMMENTS.get(column) or "as in the input table"
+
+
+def sql_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def read_input(spark: SparkSession, inp: InputConfig) -> DataFrame:
@@ -224,7 +289,7 @@ class OutputTables:
 
         def create(name: str) -> None:
             try:
-                self._write(self.spark.createDataFrame([], schemas[name]), name, "append", "kfed-spark: create table")
+                self._create(name, schemas[name])
                 log.info("created %s", self.path(name))
             except Exception:
                 if not self.exists(name):
@@ -239,6 +304,22 @@ class OutputTables:
         self.register()
 
     # -- writes -----------------------------------------------------------------------------------
+
+    def _create(self, name: str, schema: StructType) -> None:
+        """Create a table, empty, with its comments and partitioning, in one commit (CREATE TABLE AS SELECT
+        from an empty view carries any column type, Spark ML vectors included, and the comments)."""
+        view = f"kfed_create_{name}_{uuid.uuid4().hex[:8]}"
+        commented = StructType([StructField(f.name, f.dataType, f.nullable, {"comment": column_comment(name, f.name)})
+                                for f in schema.fields])
+        self.spark.createDataFrame([], commented).createOrReplaceTempView(view)
+        try:
+            self.spark.sql(
+                f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta "
+                f"PARTITIONED BY ({', '.join(PARTITION_COLUMNS)}) COMMENT {sql_string(TABLE_COMMENTS[name])} "
+                f"AS SELECT * FROM {view}"
+            )
+        finally:
+            self.spark.catalog.dropTempView(view)
 
     def _write(self, df: DataFrame, name: str, mode: str, note: str, **options: str) -> None:
         writer = df.write.format("delta").partitionBy(*PARTITION_COLUMNS).mode(mode).option("userMetadata", note)

@@ -4,6 +4,7 @@ import duckdb
 from deltalake import DeltaTable
 
 from kfed_spark.cli import main
+from kfed_spark.io import TABLE_COMMENTS
 
 from conftest import MIXTURE
 from helpers import DUCKDB_PUBLISHED_LABELS
@@ -24,6 +25,19 @@ def test_sql_command_queries_the_tables_and_the_latest_run(spark, config, tmp_pa
     assert capsys.readouterr().out.split() == ["runs", "2"]
     assert main(["sql", "SELECT count(*) AS n FROM labels", "--config", str(config)]) == 0
     assert capsys.readouterr().out.split() == ["n", str(2 * N_ROWS)]
+
+
+def test_every_table_and_column_carries_a_comment(spark, config, tmp_path):
+    """DESCRIBE shows what a column means, DESCRIBE DETAIL what the table holds."""
+    assert run_cli(config) == 0
+    for name, comment in TABLE_COMMENTS.items():
+        path = tmp_path / "out" / name
+        assert spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first().description == comment
+        columns = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{path}`").collect()
+                   if row.col_name and not row.col_name.startswith("#")}
+        assert all(columns.values()), (name, columns)
+    labels = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{tmp_path / 'out' / 'labels'}`").collect()}
+    assert (labels["cluster_id"], labels["features"]) == ("the global cluster of the row", "as in the input table")
 
 
 def test_sql_without_tables_is_a_clear_error(spark, tmp_path, capsys):
