@@ -437,18 +437,23 @@ def command_generate(args: argparse.Namespace) -> int:
 
 
 def command_prepare(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from kfed_spark.datasets import load, write_parquet_folder
 
     table = load(args.dataset, args.data_dir, args.max_devices, args.seed)
     write_parquet_folder(table, args.out)
-    devices = len(set(table.column("device_id").to_pylist()))
+    per_device = table.group_by("device_id").aggregate([("true_cluster", "count_distinct")])
+    devices = per_device.num_rows
     clusters = len(set(table.column("true_cluster").to_pylist()))
     dim = len(table.column("features")[0])
+    # The README's advice: a known k_z beats `auto` on images; here it is the truth's own count per device.
+    k_per_device = int(np.median(per_device.column("true_cluster_count_distinct").to_numpy()))
     print(
         f"wrote {table.num_rows} rows of {DATASETS[args.dataset].description}: {devices} devices, d = {dim}, "
-        f"{clusters} true clusters, to {args.out}\n"
+        f"{clusters} true clusters ({k_per_device} per device, median), to {args.out}\n"
         f"cluster it: kfed-spark run --config conf/local.yaml --set input.path={args.out} "
-        f"--set input.truth_col=true_cluster --set k={clusters} --set k_per_device=auto"
+        f"--set input.truth_col=true_cluster --set k={clusters} --set k_per_device={k_per_device}"
     )
     return 0
 

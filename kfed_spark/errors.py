@@ -55,7 +55,8 @@ def describe(exc: BaseException) -> str | None:
     if "delta" in text.lower() and ("ClassNotFoundException" in text or "find" in text.lower()):
         from kfed_spark.session import delta_package
 
-        return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {delta_package()}"
+        package = delta_package() or "io.delta:delta-spark_<spark>_2.13:<delta>"
+        return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {package}"
     return f"Spark failed: {text}"
 
 

@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
@@ -20,6 +20,8 @@ DELTA_SQL_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
 }
+DEFAULT_SPARK_LOG_LEVEL = "WARN"
+"""Spark's own log level unless the config sets spark.log.level (under spark-submit Spark would log at INFO)."""
 SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
 """Settings a Spark Connect client may set on its session; the rest belong to the server."""
 DEFAULT_CONNECT_PORT = 15002
@@ -56,7 +58,7 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         # started by its absolute path (cron, systemd, a BashOperator) without activating it. PySpark
         # reads the workers' interpreter from this variable when it creates the SparkContext.
         os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
-    for key, value in {**DELTA_SQL_CONF, **spark_cfg.conf}.items():
+    for key, value in {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **spark_cfg.conf}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
     if local_jars:
@@ -99,8 +101,15 @@ def is_local(spark_cfg: SparkConfig) -> bool:
     return not {"PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"} & set(os.environ)
 
 
-def delta_package() -> str:
+def delta_package() -> str | None:
     """The Maven coordinate of the Delta jar matching the installed pyspark and delta-spark,
-    for `spark-submit --packages` (the same rule configure_spark_with_delta_pip follows)."""
-    spark_minor = ".".join(version("pyspark").split(".")[:2])
-    return f"io.delta:delta-spark_{spark_minor}_2.13:{version('delta-spark')}"
+    for `spark-submit --packages` (the same rule configure_spark_with_delta_pip follows); None where
+    delta-spark is not installed (a packed environment on a cluster)."""
+    import pyspark
+
+    try:
+        delta = version("delta-spark")
+    except PackageNotFoundError:
+        return None
+    spark_minor = ".".join(pyspark.__version__.split(".")[:2])
+    return f"io.delta:delta-spark_{spark_minor}_2.13:{delta}"

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kfed_spark.cli import main
+from kfed_spark.session import delta_package
 
 from conftest import MIXTURE
 from helpers import published
@@ -41,3 +42,31 @@ def test_run_prints_its_figures_as_json(spark, config, capsys):
     assert (figures["run_id"], figures["n_labelled"], figures["n_quarantined"]) == (
         "first", MIXTURE["devices"] * MIXTURE["points_per_device"], 0)
     assert figures["attempt_id"] and figures["ari"] >= 0.95 and "labels" in figures["timings"]
+
+
+def test_without_delta_on_the_classpath_the_last_line_says_so(config, tmp_path):
+    """Spark's own jars only (KFED_DELTA_JARS names one that is not Delta): one error line, last, with the
+    --packages coordinate, and no traceback."""
+    from pyspark.find_spark_home import _find_spark_home
+
+    not_delta = next((Path(_find_spark_home()) / "jars").glob("slf4j-api-*.jar"))
+    cli = Path(sys.executable).parent / "kfed-spark"
+    result = subprocess.run([str(cli), "run", "--config", str(config), "--quiet"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "KFED_DELTA_JARS": str(not_delta)})
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and last.startswith("kfed-spark: error: Delta Lake is not on Spark's classpath")
+    assert last.endswith(f"pass --packages {delta_package()}") and "Traceback" not in result.stderr
+
+
+def test_the_local_template_runs_on_a_table_without_a_truth_column(spark, mixture_path, tmp_path, capsys):
+    """conf/local.yaml is the template users start from: it must name no column their table may lack."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(mixture_path).drop_columns(["true_cluster"])
+    (tmp_path / "mine").mkdir()
+    pq.write_table(table, tmp_path / "mine" / "part-0.parquet")
+    template = Path(__file__).resolve().parents[1] / "conf" / "local.yaml"
+    assert main(["run", "--config", str(template), "--set", f"input.path={tmp_path / 'mine'}", "--set",
+                 f"output.path={tmp_path / 'out'}", "--set", f"k={MIXTURE['k']}", "--set",
+                 f"k_per_device={MIXTURE['k_per_device']}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_labelled"] == table.num_rows

@@ -27,3 +27,11 @@ def test_bench_quality_table_on_a_real_slice_and_the_outlier_mixture(spark, tmp_
     assert markdown.count("\n| mnist |") == 9 and "| dataset | method |" in markdown
     assert main(["bench-quality", "--datasets", "cifar", "--out", str(out)]) == 2
     assert "--datasets takes names from" in capsys.readouterr().err
+
+
+@needs_shared_data
+def test_prepare_suggests_the_readme_s_known_k_per_device(tmp_path, capsys):
+    """The README advises the known k_z (2 on rotated MNIST) over `auto`, which saturates on images."""
+    assert main(["prepare", "mnist", "--out", str(tmp_path / "mnist")]) == 0
+    hint = capsys.readouterr().out.splitlines()[-1]
+    assert hint.endswith("--set k=40 --set k_per_device=2")
