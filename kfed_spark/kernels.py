@@ -142,12 +142,14 @@ def lloyd(
     """Weighted Lloyd from the given centers until assignments stop changing.
 
     Also stops after max_iter rounds or once no center moves more than tol (squared, relative
-    to the data's mean squared norm). An emptied cluster keeps its previous center.
+    to the data's total variance, so that shifting the data does not change when it stops, as
+    scikit-learn scales its tol). An emptied cluster keeps its previous center.
     Returns (centers, each row's label and squared distance under them, rounds run).
     """
     centers = np.array(centers, dtype=np.float64)
     k = len(centers)
-    scale = float(np.average(np.einsum("ij,ij->i", x, x), weights=weights)) or 1.0
+    mean = np.average(x, axis=0, weights=weights)
+    scale = float(np.sum(np.average((x - mean) ** 2, axis=0, weights=weights))) or 1.0
     labels, sq_dist = nearest_center(x, centers)
     rounds = 0
     while rounds < max_iter:

@@ -8,6 +8,7 @@ from kfed_spark.kernels import (
     device_rng,
     estimate_local_k,
     kmeans_plusplus,
+    lloyd,
     local_step,
     margin_initial_centers,
     nearest_center,
@@ -298,3 +299,16 @@ def test_row_hashes_depend_on_values_and_seed_only():
     kept, _ = smallest_hashes(x, row_hashes(x, 3), 50)
     again, _ = smallest_hashes(x[order], row_hashes(x[order], 3), 50)
     assert {tuple(r) for r in kept} == {tuple(r) for r in again}
+
+
+def test_lloyd_stops_where_it_would_on_the_data_shifted_far_from_the_origin():
+    """Sensor and price data sit far from 0: tol is relative to the spread of the data, not its norm."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(500, 32)) + rng.normal(scale=3.0, size=(8, 32))[rng.integers(0, 8, 500)]
+    weights = np.ones(len(x))
+    start = x[rng.choice(len(x), 8, replace=False)]
+    centers, labels, sq_dist, rounds = lloyd(x, weights, start, max_iter=300, tol=1e-4)
+    shifted = lloyd(x + 1e6, weights, start + 1e6, max_iter=300, tol=1e-4)
+    assert rounds > 2 and shifted[3] == rounds
+    np.testing.assert_array_equal(shifted[1], labels)
+    assert shifted[2].sum() == pytest.approx(sq_dist.sum(), rel=1e-3)  # |x|^2 - 2xc + |c|^2 at 1e6 loses digits
