@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from kfed_spark.errors import ConfigError
-from kfed_spark.kernels import SEEDINGS
+from kfed_spark.kernels import MAX_ITER, SEEDINGS, TOL
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 IDENTIFIER_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -63,8 +63,8 @@ class KFedConfig:
     robust_min_size: float = 0.25
     server_refine: str = "lloyd"
     label_mode: str = "induced"
-    max_iter: int = 100
-    tol: float = 1e-8
+    max_iter: int = MAX_ITER
+    tol: float = TOL
     local_partitions: int | None = None
     max_rows_per_device: int = 100_000
     on_bad_rows: str = "quarantine"

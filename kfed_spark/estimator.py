@@ -25,6 +25,7 @@ from pyspark.sql import functions as F
 from kfed_spark.batches import SQ_DIST_COL, LabelModel
 from kfed_spark.config import InputConfig, KFedConfig, validate_algorithm
 from kfed_spark.errors import ConfigError
+from kfed_spark.kernels import MAX_ITER, TOL
 from kfed_spark.pipeline import (
     LOCAL_CENTER_COLUMNS,
     REASON_COL,
@@ -73,8 +74,8 @@ class _KFedParams(HasFeaturesCol, HasPredictionCol, HasSeed, HasMaxIter, HasTol)
         super().__init__(*args)
         self._setDefault(
             k=2, kPerDevice=2, deviceCol="device_id", featuresCol="features", predictionCol="prediction",
-            localPredictionCol="local_prediction", serverRefine="lloyd", labelMode="induced", maxIter=100,
-            tol=1e-8, maxRowsPerDevice=100_000, seed=0, seeding="robust",
+            localPredictionCol="local_prediction", serverRefine="lloyd", labelMode="induced", maxIter=MAX_ITER,
+            tol=TOL, maxRowsPerDevice=100_000, seed=0, seeding="robust",
         )
 
     def getK(self) -> int:
@@ -126,7 +127,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
     def __init__(
         self, *, k: int = 2, kPerDevice: int | str = 2, deviceCol: str = "device_id", featuresCol: str = "features",
         predictionCol: str = "prediction", localPredictionCol: str = "local_prediction", seed: int = 0,
-        serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = 100, tol: float = 1e-8,
+        serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = MAX_ITER, tol: float = TOL,
         maxRowsPerDevice: int = 100_000, seeding: str = "robust",
     ):
         super().__init__()
@@ -136,7 +137,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
     def setParams(
         self, *, k: int = 2, kPerDevice: int | str = 2, deviceCol: str = "device_id", featuresCol: str = "features",
         predictionCol: str = "prediction", localPredictionCol: str = "local_prediction", seed: int = 0,
-        serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = 100, tol: float = 1e-8,
+        serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = MAX_ITER, tol: float = TOL,
         maxRowsPerDevice: int = 100_000, seeding: str = "robust",
     ) -> "KFed":
         return self._set(**self._input_kwargs)

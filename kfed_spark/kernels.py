@@ -26,6 +26,10 @@ DUPLICATE_TOLERANCE = 1e-12
 DISTANCE_CHUNK_ELEMENTS = 1 << 22
 """Distance matrices are built in row chunks of at most this many entries (32 MiB of float64)."""
 
+MAX_ITER = 100
+TOL = 1e-8
+"""Lloyd's bounds on the devices and on the server: the defaults of the config and the estimator too."""
+
 
 @dataclass(frozen=True)
 class LocalClustering:
@@ -203,7 +207,7 @@ def margin_initial_centers(
 
 
 def local_step(
-    x: np.ndarray, k: int, rng: np.random.Generator, max_iter: int = 100, tol: float = 1e-8
+    x: np.ndarray, k: int, rng: np.random.Generator, max_iter: int = MAX_ITER, tol: float = TOL
 ) -> LocalClustering:
     """Alg. 1 on one device's rows x (n, d): at most k local centers with counts and SSE.
 
@@ -298,8 +302,8 @@ def server_step(
     local_ids: np.ndarray,
     k: int,
     refine: str = "lloyd",
-    max_iter: int = 300,
-    tol: float = 0.0,
+    max_iter: int = MAX_ITER,
+    tol: float = TOL,
     seeding: str = "robust",
     robust_min_size: float = 0.25,
     seed: int = 0,
@@ -449,8 +453,8 @@ def federated_kmeans(
     seed: int,
     refine: str = "lloyd",
     label_mode: str = "induced",
-    max_iter: int = 100,
-    tol: float = 1e-8,
+    max_iter: int = MAX_ITER,
+    tol: float = TOL,
     seeding: str = "robust",
     robust_min_size: float = 0.25,
     k_per_device_max: int = 16,
@@ -479,7 +483,8 @@ def federated_kmeans(
         local_ids,
         k,
         refine,
-        tol=tol,
+        max_iter,
+        tol,
         seeding=seeding,
         robust_min_size=robust_min_size,
         seed=seed,

@@ -213,7 +213,7 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
     with timer.stage("server_step"):
         try:
             server = server_step(
-                local.centers, local.counts, local.devices, local.ids, cfg.k, cfg.server_refine, tol=cfg.tol,
+                local.centers, local.counts, local.devices, local.ids, cfg.k, cfg.server_refine, cfg.max_iter, cfg.tol,
                 seeding=cfg.seeding, robust_min_size=cfg.robust_min_size, seed=cfg.seed,
             )
         except ValueError as exc:

@@ -7,6 +7,7 @@ from sklearn.metrics import adjusted_rand_score
 from kfed_spark.kernels import (
     device_rng,
     estimate_local_k,
+    federated_kmeans,
     kmeans_plusplus,
     lloyd,
     local_step,
@@ -312,3 +313,13 @@ def test_lloyd_stops_where_it_would_on_the_data_shifted_far_from_the_origin():
     assert rounds > 2 and shifted[3] == rounds
     np.testing.assert_array_equal(shifted[1], labels)
     assert shifted[2].sum() == pytest.approx(sq_dist.sum(), rel=1e-3)  # |x|^2 - 2xc + |c|^2 at 1e6 loses digits
+
+
+def test_max_iter_bounds_the_server_step_too():
+    """The README: max_iter bounds Lloyd "on devices and on the server"."""
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.normal(loc=c, size=(60, 4)) for c in (0.0, 2.0, 4.0, 6.0)])
+    devices = np.repeat(np.arange(12), 20)
+    for max_iter in (1, 2):
+        result = federated_kmeans(x, devices, k=4, k_per_device=4, seed=0, max_iter=max_iter, tol=0.0)
+        assert result.server.refine_iterations <= max_iter
