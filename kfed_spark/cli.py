@@ -236,6 +236,8 @@ def command_bench(args: argparse.Namespace) -> int:
     from kfed_spark.session import build_session
     from kfed_spark.synthetic import write_mixture
 
+    if not args.no_sklearn:
+        require_sklearn("bench", "or pass --no-sklearn")
     out = Path(args.out).resolve()
     data = args.data
     if data is None:
@@ -272,6 +274,7 @@ def command_bench_quality(args: argparse.Namespace) -> int:
     names = list(PROBLEMS) if args.datasets is None else [n.strip() for n in args.datasets.split(",") if n.strip()]
     if not names or set(names) - set(PROBLEMS):
         raise KFedError(f"--datasets takes names from {', '.join(PROBLEMS)}, got {args.datasets!r}")
+    require_sklearn("bench-quality", "(its centralized baseline)")
     conf = {**QUIET_LOCAL_SPARK, "spark.ui.showConsoleProgress": "false"}
     spark = build_session(SparkConfig(master="local[2]", app_name="kfed-spark-quality", conf=conf))
     command = "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-quality"] else "kfed-spark bench-quality"
@@ -280,6 +283,14 @@ def command_bench_quality(args: argparse.Namespace) -> int:
     print(markdown(rows, command))
     print(f"report: {out / 'quality.md'} and {out / 'quality.json'}")
     return 0
+
+
+def require_sklearn(command: str, hint: str) -> None:
+    """The benchmarks compare with scikit-learn, which the job itself does not need: say so before any work."""
+    import importlib.util
+
+    if importlib.util.find_spec("sklearn") is None:
+        raise KFedError(f"{command} needs scikit-learn: pip install 'kfed-spark[bench]' {hint}")
 
 
 def command_bench_server(args: argparse.Namespace) -> int:

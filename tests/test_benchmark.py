@@ -45,3 +45,18 @@ def test_server_benchmark_times_both_refinements(capsys):
     assert {"seconds, server_refine=none", "seconds, server_refine=lloyd"} <= set(lines)
     assert float(lines["refine rounds, server_refine=none"]) == 0
     assert float(lines["refine rounds, server_refine=lloyd"]) >= 1
+
+
+def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path):
+    """A plain install has no scikit-learn; the benchmarks refuse in one line instead of failing at the end."""
+    import subprocess
+    import sys
+
+    blocked = "import sys; sys.modules['sklearn'] = None; from kfed_spark.cli import main; sys.exit(main(sys.argv[1:]))"
+    for command in (["bench", "--out", str(tmp_path / "b")], ["bench-quality", "--out", str(tmp_path / "q")]):
+        result = subprocess.run([sys.executable, "-c", blocked, *command], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"kfed-spark: error: {command[0]} needs scikit-learn: pip install 'kfed-spark[bench]' "
+            + ("or pass --no-sklearn" if command[0] == "bench" else "(its centralized baseline)"))
+    assert not (tmp_path / "b").exists()
