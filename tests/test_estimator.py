@@ -32,7 +32,14 @@ def test_shares_param_names_and_defaults_style_with_mllib_kmeans(spark):
         assert mine.hasParam(name) and theirs.hasParam(name), name
     assert (mine.getFeaturesCol(), mine.getPredictionCol()) == (theirs.getFeaturesCol(), theirs.getPredictionCol())
     assert KFed(k=5).setKPerDevice(3).getKPerDevice() == 3
-    assert KFed().getSeed() == KFed().getSeed()  # not the per-process hash MLlib uses
+    # The documented default, 0, in every process: MLlib's default is a hash of the class name, which
+    # differs between processes (PYTHONHASHSEED), so comparing two instances in one process proves nothing.
+    import subprocess
+    import sys
+
+    other = subprocess.run([sys.executable, "-c", "from kfed_spark.estimator import KFed; print(KFed().getSeed())"],
+                           capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "7"})
+    assert KFed().getSeed() == int(other.stdout) == 0
 
 
 def test_fit_transform_equals_the_cli_run(spark, config, tmp_path, mixture_path):
