@@ -14,6 +14,17 @@ from helpers import bare_environment, free_port, servers, spark_home, wait_for
 
 collect_ignore = ["airflow"]  # run inside the Airflow environment by test_airflow.py
 
+JVM_FIXTURES = {"spark", "config", "standalone_master", "connect_url"}
+"""Fixtures that start Spark (or a run that starts it): a test without any of them is in the fast tier."""
+
+
+def pytest_collection_modifyitems(items):
+    """Tiers: `-m fast` (no JVM, seconds), `-m "not integration"` (one Spark session in this process),
+    everything (integration: spark-submit, servers and CLI processes of their own)."""
+    for item in items:
+        if not JVM_FIXTURES & set(item.fixturenames) and "integration" not in item.keywords:
+            item.add_marker(pytest.mark.fast)
+
 TEST_SPARK_CONF = {
     "spark.sql.shuffle.partitions": "2",
     "spark.default.parallelism": "2",

@@ -12,11 +12,15 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from kfed_spark.packaging import build
 from kfed_spark.session import delta_package
 
 from conftest import MIXTURE
 from test_job import ROOT
+
+pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
 VENV = Path(os.environ.get("KFED_AIRFLOW_VENV", Path.home() / ".cache" / "kfed-spark" / "airflow-venv"))
 

@@ -8,11 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kfed_spark.session import delta_package
 
 from conftest import MIXTURE
 from helpers import bare_environment
 from test_job import ROOT, labels_of, run_cli
+
+pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
 CLUSTER_SECTION = "## On a cluster with spark-submit"
 

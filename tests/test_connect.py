@@ -21,6 +21,8 @@ from helpers import free_port, report_folder, servers, spark_home, wait_for_port
 from test_estimator import by_row, estimator
 from test_job import labels_of, run_cli
 
+pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
+
 CLI = str(Path(sys.executable).parent / "kfed-spark")
 
 

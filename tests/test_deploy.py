@@ -6,11 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kfed_spark.cli import main
 from kfed_spark.session import delta_package
 
 from conftest import MIXTURE
 from helpers import published
+
+pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
 
 def test_the_cli_started_by_its_absolute_path_needs_no_activated_environment(spark, config, tmp_path):

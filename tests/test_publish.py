@@ -27,6 +27,8 @@ from kfed_spark.io import OutputTables
 from conftest import MIXTURE
 from helpers import DUCKDB_PUBLISHED_LABELS, runs_of
 
+pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
+
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 POINTS = ["created", "claimed", "labels", "tables", "report", "published"]
 """Every point of a run after something is committed: the tables' creation, the running row, the labels
