@@ -122,9 +122,9 @@ def read_input(spark: SparkSession, inp: InputConfig) -> DataFrame:
     where = f"table {inp.table}" if inp.table else f"{inp.format} input {inp.path}"
     try:
         if inp.table:
-            return spark.read.table(inp.table)
+            return resolved(spark.read.table(inp.table))
         options = {**(CSV_DEFAULTS if inp.format == "csv" else {}), **inp.options}
-        return spark.read.format(inp.format).options(**options).load(inp.path)
+        return resolved(spark.read.format(inp.format).options(**options).load(inp.path))
     except AnalysisException as exc:
         raise InputError(f"cannot read {where}: {first_line(exc)}") from None
 
@@ -133,13 +133,20 @@ def read_side_table(spark: SparkSession, name: str) -> DataFrame:
     """A small table named by a setting: a catalog table, or a Delta (else Parquet) folder."""
     try:
         if TABLE_NAME_PATTERN.match(name) and spark.catalog.tableExists(name):
-            return spark.read.table(name)
+            return resolved(spark.read.table(name))
         try:
-            return spark.read.format("delta").load(absolute(name))
+            return resolved(spark.read.format("delta").load(absolute(name)))
         except AnalysisException:
-            return spark.read.format("parquet").load(absolute(name))
+            return resolved(spark.read.format("parquet").load(absolute(name)))
     except AnalysisException as exc:
         raise InputError(f"cannot read table {name}: {first_line(exc)}") from None
+
+
+def resolved(df: DataFrame) -> DataFrame:
+    """The DataFrame, analysed now: a classic session fails a missing path at load(), Spark Connect only
+    when the plan is first analysed, which would be outside the caller's error handling."""
+    df.schema
+    return df
 
 
 def _filesystem(path: str) -> tuple[pafs.FileSystem, str] | None:

@@ -79,11 +79,13 @@ def test_cli_over_connect_writes_what_a_classic_session_writes(spark, config, tm
     result = cli("report", "first", "--output", str(out), remote=connect_url, cwd=tmp_path)
     assert result.returncode == 0 and "silhouette" in result.stdout, result.stderr[-3000:]
 
-    # Failures are one line, last: Spark's own over Connect, and a server that is not there.
+    # Failures are one line, last: a missing input (found when Connect first analyses the plan: the same
+    # user error, exit 2, as in a classic session), and a server that is not there (exit 1).
     result = cli("run", "--config", str(config), "--set", f"output.path={out}", "--set", "input.path=/nonexistent",
                  "--quiet", remote=connect_url, cwd=tmp_path)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith("kfed-spark: error: Spark failed: [PATH_NOT_FOUND]")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "kfed-spark: error: cannot read parquet input /nonexistent: [PATH_NOT_FOUND]")
     nobody = f"sc://127.0.0.1:{free_port()}"
     result = cli("run", "--config", str(config), "--quiet", remote=nobody, cwd=tmp_path)
     assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (
