@@ -1,6 +1,7 @@
 """Errors a user can act on, and the one line that describes any failure (the CLI prints it last on
 stderr; a failed attempt's runs row records it)."""
 
+import re
 import threading
 
 STOP_REQUESTED = threading.Event()
@@ -47,17 +48,34 @@ def describe(exc: BaseException) -> str | None:
     from pyspark.errors import PySparkException
 
     if isinstance(exc, Py4JJavaError):
-        text = first_line(Exception(str(exc.java_exception)))
+        full = str(exc.java_exception)
     elif isinstance(exc, PySparkException):
-        text = first_line(exc)
+        full = str(exc)
     else:
         return None
+    raised = python_worker_error(full)
+    if raised:
+        return f"Spark failed: a Python worker raised {raised}"
+    text = first_line(Exception(full))
     if "delta" in text.lower() and ("ClassNotFoundException" in text or "find" in text.lower()):
         from kfed_spark.session import delta_package
 
         package = delta_package() or "io.delta:delta-spark_<spark>_2.13:<delta>"
         return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {package}"
     return f"Spark failed: {text}"
+
+
+PYTHON_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)(: .*)?$")
+
+
+def python_worker_error(text: str) -> str | None:
+    """The exception line of the Python traceback in Spark's message when a Python worker failed (as
+    `No module named 'numpy'` on executors without the job's packages); Spark's own first line only
+    says that a worker failed."""
+    if "Traceback (most recent call last)" not in text:
+        return None
+    tail = text.split("Traceback (most recent call last)")[-1]
+    return next((line.strip() for line in tail.splitlines() if PYTHON_EXCEPTION_LINE.match(line.strip())), None)
 
 
 class Terminated(KeyboardInterrupt):
