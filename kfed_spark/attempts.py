@@ -43,7 +43,6 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from kfed_spark import faults
 from kfed_spark.errors import first_line
 from kfed_spark.io import AttemptConflict, OutputTables, attempt_filter
 

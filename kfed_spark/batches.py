@@ -34,12 +34,20 @@ LOCAL_OUTPUT_ROWS = 4096
 """Local-center rows gathered before a batch is sent back to Spark."""
 
 
-def feature_matrix(column: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
-    """(n, dim) float64 view of a list<double> column whose rows all have dim values."""
+def feature_matrix(column: pa.Array | pa.ChunkedArray, dim: int | None = None) -> np.ndarray:
+    """(n, dim) float64 view of a list<double> column whose rows all have dim values (by default, as
+    many as the values divide evenly)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     values = column.flatten().to_numpy(zero_copy_only=False)
-    return values.reshape(len(column), dim)
+    return values.reshape(len(column), -1 if dim is None else dim)
+
+
+def features_array(x: np.ndarray) -> pa.ListArray:
+    """(n, d) numbers as a list<double> column: feature_matrix's inverse."""
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    offsets = np.arange(0, x.size + 1, x.shape[1], dtype=np.int32)
+    return pa.ListArray.from_arrays(offsets, pa.array(x.ravel()))
 
 
 def device_runs(devices: np.ndarray) -> Iterator[tuple[object, int, int]]:
@@ -186,12 +194,11 @@ class _LocalCenterRows:
 
     def flush(self) -> pa.RecordBatch:
         centers = np.concatenate(self.centers)
-        offsets = np.arange(0, centers.size + 1, centers.shape[1], dtype=np.int32)
         batch = pa.RecordBatch.from_arrays(
             [
                 pa.array(self.devices, type=self.device_type),
                 pa.array(self.ids, type=pa.int32()),
-                pa.ListArray.from_arrays(offsets, pa.array(centers.ravel())),
+                features_array(centers),
                 pa.array(np.concatenate(self.counts), type=pa.int64()),
                 pa.array(np.concatenate(self.sse), type=pa.float64()),
             ],
@@ -308,12 +315,11 @@ def label_moments(batches: Iterator[pa.RecordBatch], label_col: str, features_co
         keys, index = np.unique(labels, return_inverse=True)
         means, counts = weighted_means(x, np.ones(len(x)), index, len(keys))
         sums = means * counts[:, None]
-        offsets = np.arange(0, sums.size + 1, dim, dtype=np.int32)
         yield pa.RecordBatch.from_arrays(
             [
                 pa.array(keys.astype(str)),
                 pa.array(np.bincount(index, minlength=len(keys)), type=pa.int64()),
-                pa.ListArray.from_arrays(offsets, pa.array(sums.ravel())),
+                features_array(sums),
                 pa.array(np.bincount(index, weights=np.einsum("ij,ij->i", x, x), minlength=len(keys))),
             ],
             names=["label", "n", "sum", "sum_sq"],

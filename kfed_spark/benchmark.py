@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kfed_spark.batches import feature_matrix
 from kfed_spark.config import build_config
 from kfed_spark.kernels import federated_kmeans, server_step
 from kfed_spark.metrics import adjusted_rand_index, cost_of_labels
@@ -81,14 +82,11 @@ class Report:
 def planted(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """(features, device ids, truth) of a generated input, and the planted clusters' cost."""
     table = pq.read_table(path, columns=["device_id", "features", "true_cluster"])
-    x = _features(table)
+    x = feature_matrix(table.column("features"))
     truth = table.column("true_cluster").to_numpy()
     return x, table.column("device_id").to_numpy(), truth, cost_of_labels(x, truth)
 
 
-def _features(table: pa.Table) -> np.ndarray:
-    column = table.column("features").combine_chunks()
-    return np.asarray(column.flatten()).reshape(len(column), -1)
 
 
 def _timed(fn):
@@ -185,7 +183,7 @@ def run_floor(data: str, out: Path, k: int, k_per_device: int, seed: int) -> tup
     stages = {}
     start = time.perf_counter()
     table = pq.read_table(data)
-    x = _features(table)
+    x = feature_matrix(table.column("features"))
     stages["read"] = time.perf_counter() - start
     result, stages["cluster"] = _timed(
         lambda: federated_kmeans(x, table.column("device_id").to_numpy(), k, k_per_device, seed)

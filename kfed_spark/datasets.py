@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kfed_spark.batches import features_array
 from kfed_spark.errors import InputError
 
 DATA_DIR_ENV = "KFED_DATA_DIR"
@@ -33,12 +34,6 @@ def default_data_dir() -> Path:
         return Path(os.environ[DATA_DIR_ENV])
     return Path(__file__).resolve().parents[2] / "shared" / "data"
 
-
-def features_array(x: np.ndarray) -> pa.ListArray:
-    """(n, d) numbers as a list<double> column."""
-    x = np.ascontiguousarray(x, dtype=np.float64)
-    offsets = np.arange(0, x.size + 1, x.shape[1], dtype=np.int32)
-    return pa.ListArray.from_arrays(offsets, pa.array(x.ravel()))
 
 
 def _folder(data_dir: Path, name: str) -> Path:

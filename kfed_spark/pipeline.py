@@ -519,7 +519,7 @@ class LocalCenters:
             table=table,
             devices=table.column("device_id").to_numpy(zero_copy_only=False),
             ids=table.column("local_cluster_id").to_numpy(),
-            centers=np.asarray(table.column("center").combine_chunks().flatten()).reshape(-1, dim),
+            centers=feature_matrix(table.column("center"), dim),
             counts=table.column("n_points").to_numpy(),
         )
 
@@ -667,7 +667,7 @@ def planted_cost(valid: DataFrame, truth_col: str, dim: int) -> float:
     _, label_index = np.unique(partial.column("label").to_numpy(zero_copy_only=False), return_inverse=True)
     labels = int(label_index.max()) + 1
     sums = np.zeros((labels, dim))
-    np.add.at(sums, label_index, np.asarray(partial.column("sum").combine_chunks().flatten()).reshape(-1, dim))
+    np.add.at(sums, label_index, feature_matrix(partial.column("sum"), dim))
     counts = np.bincount(label_index, weights=partial.column("n").to_numpy(), minlength=labels)
     squared_norms = np.bincount(label_index, weights=partial.column("sum_sq").to_numpy(), minlength=labels)
     return within_cluster_cost(counts, sums, squared_norms)

@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kfed_spark.batches import feature_matrix
-from kfed_spark.datasets import DATASETS, features_array, load
+from kfed_spark.batches import feature_matrix, features_array
+from kfed_spark.datasets import DATASETS, load
 from kfed_spark.kernels import device_rng, federated_kmeans
 from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
 from kfed_spark.synthetic import MEAN_SCALE, mixture
@@ -84,7 +84,7 @@ def problems(names: list[str], data_dir: str | None, max_devices: int | None, se
             table = load(name, data_dir, max_devices, seed)
             devices = table.column("device_id").to_numpy(zero_copy_only=False)
             k = DATASETS[name].k
-        x = feature_matrix(table.column("features"), len(table.column("features")[0]))
+        x = feature_matrix(table.column("features"))
         truth = table.column("true_cluster").to_numpy()
         found.append(Problem(name, x, devices, truth, min(k, len(np.unique(truth)))))
     return found

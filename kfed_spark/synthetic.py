@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from kfed_spark.batches import features_array
 from kfed_spark.datasets import write_parquet_folder
 from kfed_spark.kernels import device_rng
 
@@ -39,11 +40,10 @@ def mixture(
         truth[rows] = held[rng.integers(0, held_counts[device], size=points_per_device)]
         features[rows] = means[truth[rows]] + rng.standard_normal((points_per_device, dim))
     n = len(truth)
-    offsets = np.arange(0, n * dim + 1, dim, dtype=np.int32)
     columns = {
         "row_id": pa.array(np.arange(n, dtype=np.int64)),
         "device_id": pa.array(np.repeat(np.arange(devices, dtype=np.int64), points_per_device)),
-        "features": pa.ListArray.from_arrays(offsets, pa.array(features.ravel())),
+        "features": features_array(features),
         "true_cluster": pa.array(truth),
     }
     if high > low:

@@ -204,6 +204,7 @@ def test_bad_config_exits_non_zero_with_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [f"kfed-spark: error: cannot read config file {tmp_path / 'nope.yaml'}: No such file or directory"]
 
 
+@pytest.mark.integration  # spark-submit
 def test_spark_submit_job_matches_the_cli(spark, config, tmp_path):
     """jobs/kfed_job.py under spark-submit writes the same labels as `kfed-spark run`."""
     from pyspark.find_spark_home import _find_spark_home

@@ -114,6 +114,7 @@ def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_
         ("first", "failed", "injected failure at labels")]
 
 
+@pytest.mark.integration  # spark-submit
 def test_a_retried_local_step_gives_the_same_labels(spark, config, tmp_path):
     """Every local-step task fails once; Spark retries it (local[2,4]); labels equal an undisturbed run."""
     import os
