@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
@@ -61,13 +62,48 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     for key, value in {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **spark_cfg.conf}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
+    resolve = False
     if local_jars:
         builder = builder.config("spark.jars", local_jars)
     elif not {"spark.jars", "spark.jars.packages"} & set(spark_cfg.conf) and "PYSPARK_GATEWAY_PORT" not in os.environ:
-        from delta import configure_spark_with_delta_pip
+        known = resolved_delta_jars()
+        if known:
+            builder = builder.config("spark.jars", ",".join(known))
+        else:
+            from delta import configure_spark_with_delta_pip
 
-        builder = configure_spark_with_delta_pip(builder)
-    return builder.getOrCreate()
+            builder, resolve = configure_spark_with_delta_pip(builder), True
+    session = builder.getOrCreate()
+    if resolve:
+        remember_delta_jars(session)
+    return session
+
+
+def resolved_jars_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kfed-spark" / f"{delta_package()}.jars"
+
+
+def resolved_delta_jars() -> list[str] | None:
+    """The local jars Ivy resolved Delta's package to at an earlier start, if they are all still there.
+    Naming them skips the resolution, its 30-line report on every start, and a second of start-up."""
+    try:
+        jars = resolved_jars_file().read_text().split()
+    except OSError:
+        return None
+    return jars if jars and all(Path(jar).is_file() for jar in jars) else None
+
+
+def remember_delta_jars(session: SparkSession) -> None:
+    jars = [urlparse(jar).path for jar in session.sparkContext.getConf().get("spark.jars", "").split(",") if jar]
+    if jars:
+        try:
+            target = resolved_jars_file()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f"{target.name}.{os.getpid()}")
+            partial.write_text("\n".join(jars) + "\n")
+            partial.replace(target)  # whole or not at all, for a process starting at the same moment
+        except OSError as exc:
+            log.debug("cannot keep the list of Delta's jars: %s", exc)
 
 
 def conf_value(value) -> str:

@@ -31,6 +31,8 @@ def test_the_cli_started_by_its_absolute_path_needs_no_activated_environment(spa
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert published(spark, tmp_path / "out", "labels").count() == MIXTURE["devices"] * MIXTURE["points_per_device"]
+    # Delta's jars, resolved once (by the test session), are named directly: no Ivy report on every start.
+    assert ":: retrieving ::" not in result.stderr and "Ivy Default Cache" not in result.stderr
 
     # --quiet: no stage lines, and the one-line error is the last line on stderr.
     failed = subprocess.run([str(cli), "run", "--config", str(config), "--quiet", "--set", "input.truth_col=nope"],
