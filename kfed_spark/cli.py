@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
-from kfed_spark.datasets import DATASETS
+from kfed_spark.bench.datasets import DATASETS
 from kfed_spark.errors import STOP_REQUESTED, STOPPED, KFedError, Terminated, describe
 
 DEMO_FOLDER = "kfed-demo"
@@ -231,10 +231,10 @@ def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def command_bench(args: argparse.Namespace) -> int:
-    from kfed_spark.benchmark import benchmark, write_report
+    from kfed_spark.bench.benchmark import benchmark, write_report
     from kfed_spark.config import SparkConfig
     from kfed_spark.session import build_session
-    from kfed_spark.synthetic import write_mixture
+    from kfed_spark.bench.synthetic import write_mixture
 
     if not args.no_sklearn:
         require_sklearn("bench", "or pass --no-sklearn")
@@ -268,7 +268,7 @@ def command_bench(args: argparse.Namespace) -> int:
 
 def command_bench_quality(args: argparse.Namespace) -> int:
     from kfed_spark.config import SparkConfig
-    from kfed_spark.quality import PROBLEMS, bench_quality, markdown
+    from kfed_spark.bench.quality import PROBLEMS, bench_quality, markdown
     from kfed_spark.session import build_session
 
     names = list(PROBLEMS) if args.datasets is None else [n.strip() for n in args.datasets.split(",") if n.strip()]
@@ -294,7 +294,7 @@ def require_sklearn(command: str, hint: str) -> None:
 
 
 def command_bench_server(args: argparse.Namespace) -> int:
-    from kfed_spark.benchmark import benchmark_server
+    from kfed_spark.bench.benchmark import benchmark_server
 
     for name, value in benchmark_server(args.devices, args.per_device, args.k, args.dim, args.seed).items():
         print(f"{name}: {value:g}")
@@ -429,7 +429,7 @@ def command_package(args: argparse.Namespace) -> int:
 
 
 def command_generate(args: argparse.Namespace) -> int:
-    from kfed_spark.synthetic import write_mixture
+    from kfed_spark.bench.synthetic import write_mixture
 
     try:
         table = write_mixture(
@@ -450,7 +450,7 @@ def command_generate(args: argparse.Namespace) -> int:
 def command_prepare(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from kfed_spark.datasets import load, write_parquet_folder
+    from kfed_spark.bench.datasets import load, write_parquet_folder
 
     table = load(args.dataset, args.data_dir, args.max_devices, args.seed)
     write_parquet_folder(table, args.out)
@@ -471,7 +471,7 @@ def command_prepare(args: argparse.Namespace) -> int:
 
 def command_demo(args: argparse.Namespace) -> int:
     from kfed_spark.io import attempt_filter
-    from kfed_spark.synthetic import write_mixture
+    from kfed_spark.bench.synthetic import write_mixture
 
     folder = Path(args.folder).resolve()
     data = folder / "input"

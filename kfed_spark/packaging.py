@@ -59,8 +59,8 @@ def write_package_zip(target: Path) -> Path:
     """The kfed_spark package's modules, as `--py-files` wants them."""
     source = Path(__file__).resolve().parent
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
-        for module in sorted(source.glob("*.py")):
-            archive.write(module, f"kfed_spark/{module.name}")
+        for module in sorted(source.rglob("*.py")):
+            archive.write(module, f"kfed_spark/{module.relative_to(source).as_posix()}")
     return target
 
 

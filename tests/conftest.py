@@ -8,7 +8,7 @@ import pytest
 
 from kfed_spark.config import SparkConfig
 from kfed_spark.session import build_session
-from kfed_spark.synthetic import write_mixture
+from kfed_spark.bench.synthetic import write_mixture
 
 from helpers import bare_environment, free_port, servers, spark_home, wait_for
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kfed_spark.datasets import default_data_dir
+from kfed_spark.bench.datasets import default_data_dir
 
 from kfed_spark.config import OutputConfig
 from kfed_spark.io import OutputTables

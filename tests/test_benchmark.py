@@ -2,8 +2,8 @@
 
 import json
 
-from kfed_spark.benchmark import benchmark, write_report
-from kfed_spark.synthetic import write_mixture
+from kfed_spark.bench.benchmark import benchmark, write_report
+from kfed_spark.bench.synthetic import write_mixture
 
 
 def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):

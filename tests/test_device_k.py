@@ -5,7 +5,7 @@ from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
 from kfed_spark.metrics import adjusted_rand_index
-from kfed_spark.synthetic import write_mixture
+from kfed_spark.bench.synthetic import write_mixture
 
 from helpers import published
 

@@ -10,7 +10,7 @@ import pytest
 
 from kfed_spark.cli import main
 from kfed_spark.faults import FAULT_ENV
-from kfed_spark.datasets import hashed_ngram_tfidf, load
+from kfed_spark.bench.datasets import hashed_ngram_tfidf, load
 
 from conftest import MIXTURE
 from helpers import needs_shared_data, published, report_folder, runs_of

@@ -32,7 +32,7 @@ def default_data_dir() -> Path:
     """$KFED_DATA_DIR, else the shared data folder next to the repository (../shared/data)."""
     if os.environ.get(DATA_DIR_ENV):
         return Path(os.environ[DATA_DIR_ENV])
-    return Path(__file__).resolve().parents[2] / "shared" / "data"
+    return Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 

@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kfed_spark.batches import feature_matrix, features_array
-from kfed_spark.datasets import DATASETS, load
+from kfed_spark.bench.datasets import DATASETS, load
 from kfed_spark.kernels import device_rng, federated_kmeans
 from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
-from kfed_spark.synthetic import MEAN_SCALE, mixture
+from kfed_spark.bench.synthetic import MEAN_SCALE, mixture
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
 OUTLIER_DEVICES = 10

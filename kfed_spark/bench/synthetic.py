@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from kfed_spark.batches import features_array
-from kfed_spark.datasets import write_parquet_folder
+from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.kernels import device_rng
 
 MEAN_SCALE = 4.0
