@@ -232,9 +232,9 @@ def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command_bench(args: argparse.Namespace) -> int:
     from kfed_spark.bench.benchmark import benchmark, write_report
+    from kfed_spark.bench.synthetic import write_mixture
     from kfed_spark.config import SparkConfig
     from kfed_spark.session import build_session
-    from kfed_spark.bench.synthetic import write_mixture
 
     if not args.no_sklearn:
         require_sklearn("bench", "or pass --no-sklearn")
@@ -267,8 +267,8 @@ def command_bench(args: argparse.Namespace) -> int:
 
 
 def command_bench_quality(args: argparse.Namespace) -> int:
-    from kfed_spark.config import SparkConfig
     from kfed_spark.bench.quality import PROBLEMS, bench_quality, markdown
+    from kfed_spark.config import SparkConfig
     from kfed_spark.session import build_session
 
     names = list(PROBLEMS) if args.datasets is None else [n.strip() for n in args.datasets.split(",") if n.strip()]
@@ -326,9 +326,9 @@ def shipped_config(path: str | None) -> str | None:
     """A config given as a bare name that is no file here, under spark-submit: the file of that name
     that `--files` shipped. In client mode spark-submit copies such files only to the executors and
     the driver's SparkFiles folder, not to its working directory, so take it from where it was sent."""
-    import os
+    from kfed_spark.session import under_spark_submit
 
-    if path is None or Path(path).exists() or Path(path).name != path or "PYSPARK_GATEWAY_PORT" not in os.environ:
+    if path is None or Path(path).exists() or Path(path).name != path or not under_spark_submit():
         return path
     from urllib.parse import urlparse
 

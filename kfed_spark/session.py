@@ -45,12 +45,12 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     remote = connect_url(spark_cfg)
     if remote:
         check_reachable(remote)
-        server_side = sorted(key for key in spark_cfg.conf if not key.startswith(SESSION_CONF_PREFIXES))
-        if server_side:
-            log.debug("over Spark Connect the server decides %s: not sent", ", ".join(server_side))
-        for key, value in spark_cfg.conf.items():
-            if key.startswith(SESSION_CONF_PREFIXES):
-                builder = builder.config(key, conf_value(value))
+        sent = {key: value for key, value in spark_cfg.conf.items() if key.startswith(SESSION_CONF_PREFIXES)}
+        if len(sent) < len(spark_cfg.conf):
+            server_side = ", ".join(sorted(set(spark_cfg.conf) - set(sent)))
+            log.debug("over Spark Connect the server decides %s: not sent", server_side)
+        for key, value in sent.items():
+            builder = builder.config(key, conf_value(value))
         return builder.remote(remote).getOrCreate()
     if spark_cfg.master:
         builder = builder.master(spark_cfg.master)
@@ -65,7 +65,7 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     resolve = False
     if local_jars:
         builder = builder.config("spark.jars", local_jars)
-    elif not {"spark.jars", "spark.jars.packages"} & set(spark_cfg.conf) and "PYSPARK_GATEWAY_PORT" not in os.environ:
+    elif not {"spark.jars", "spark.jars.packages"} & set(spark_cfg.conf) and not under_spark_submit():
         known = resolved_delta_jars()
         if known:
             builder = builder.config("spark.jars", ",".join(known))
@@ -127,14 +127,18 @@ def connect_url(spark_cfg: SparkConfig) -> str | None:
 
 def is_local(spark_cfg: SparkConfig) -> bool:
     """Spark will run in this process's own local JVM: a local master, or none at all outside
-    spark-submit (which starts Python with PYSPARK_GATEWAY_PORT) and Spark Connect (SPARK_REMOTE);
-    PySpark then defaults to local[*]."""
+    spark-submit and Spark Connect; PySpark then defaults to local[*]."""
     if connect_url(spark_cfg):
         return False
     master = spark_cfg.master or os.environ.get("MASTER")
     if master:
         return master.startswith("local")
-    return not {"PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"} & set(os.environ)
+    return not under_spark_submit()
+
+
+def under_spark_submit() -> bool:
+    """This Python was started by spark-submit, whose JVM is already up (it passes its gateway's port)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
 def delta_package() -> str | None:
