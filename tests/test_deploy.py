@@ -12,7 +12,7 @@ from kfed_spark.cli import main
 from kfed_spark.session import delta_package
 
 from conftest import MIXTURE
-from helpers import published
+from helpers import bare_environment, published
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
@@ -20,12 +20,7 @@ pytestmark = pytest.mark.integration  # processes of their own: spark-submit, se
 def test_the_cli_started_by_its_absolute_path_needs_no_activated_environment(spark, config, tmp_path):
     """cron, systemd or a BashOperator start /path/to/env/bin/kfed-spark with a PATH whose python3 has
     no numpy: local-mode workers must run the CLI's own interpreter, not `python3` from PATH."""
-    bare = tmp_path / "bare"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
-    assert subprocess.run([bare / "bin" / "python3", "-c", "import numpy"], capture_output=True).returncode != 0
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_HOME"))}
-    env["PATH"] = f"{bare / 'bin'}:/usr/bin:/bin"
+    env = bare_environment(tmp_path / "bare")  # asserts that its python3 has no numpy
     cli = Path(sys.executable).parent / "kfed-spark"
     result = subprocess.run([str(cli), "run", "--config", str(config)], env=env, cwd=tmp_path, capture_output=True,
                             text=True, timeout=600)
