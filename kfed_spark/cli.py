@@ -305,7 +305,7 @@ def command_run(args: argparse.Namespace) -> int:
     cfg = spark_quiet(load_config(shipped_config(args.config), args.overrides), args)
     stop_on_sigterm()
     if args.dry_run:
-        from kfed_spark.pipeline import plan
+        from kfed_spark.job import plan
         from kfed_spark.session import build_session
 
         print(plan(build_session(cfg.spark), cfg))
@@ -344,7 +344,7 @@ def shipped_config(path: str | None) -> str | None:
 
 def execute(cfg: KFedConfig, parent_run_id: str | None = None):
     """Start (or join) the SparkSession the config describes and run the job in it."""
-    from kfed_spark.pipeline import run
+    from kfed_spark.job import run
     from kfed_spark.session import build_session
 
     spark = build_session(cfg.spark)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
@@ -13,7 +12,7 @@ from typing import Any
 import yaml
 
 from kfed_spark.errors import ConfigError
-from kfed_spark.kernels import MAX_ITER, SEEDINGS, TOL
+from kfed_spark.params import AlgorithmParams, integer
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 IDENTIFIER_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -48,25 +47,14 @@ class SparkConfig:
 
 
 @dataclass(frozen=True)
-class KFedConfig:
+class KFedConfig(AlgorithmParams):
+    """A run: the clustering's parameters (kfed_spark.params) plus where rows come from and go."""
+
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     spark: SparkConfig = field(default_factory=SparkConfig)
-    k: int = 8
-    k_per_device: int | str = 2
-    """Local clusters per device: an integer, 'auto', or a column of the input or a side table."""
-    k_per_device_max: int = 16
-    """With k_per_device 'auto': the largest k_z a device may estimate (capped at k)."""
-    seed: int = 0
     run_id: str | None = None
-    seeding: str = "robust"
-    robust_min_size: float = 0.25
-    server_refine: str = "lloyd"
-    label_mode: str = "induced"
-    max_iter: int = MAX_ITER
-    tol: float = TOL
     local_partitions: int | None = None
-    max_rows_per_device: int = 100_000
     on_bad_rows: str = "quarantine"
     report: bool = True
     """Write report.json and report.html under <output.path>/reports/<run_id>/<attempt_id>/."""
@@ -148,62 +136,33 @@ def _section(name: str, cls: type, raw: dict[str, Any]) -> Any:
     return cls(**raw)
 
 
-def _require_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _require_number(name: str, value: Any) -> None:
-    """A finite number >= 0 (YAML reads .inf and .nan as floats)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
 def validate(cfg: KFedConfig) -> None:
-    validate_algorithm(cfg)
+    cfg.check()
+    validate_columns(cfg.input)
+    validate_run(cfg)
     validate_io(cfg)
 
 
-def validate_algorithm(cfg: KFedConfig) -> None:
-    """The settings of the clustering itself (what the estimator's params also set)."""
-    _require_int("k", cfg.k, 1)
-    if isinstance(cfg.k_per_device, str):
-        if not cfg.k_per_device.strip():
-            raise ConfigError("k_per_device must be an integer, 'auto', or the name of a column or table")
-        _require_int("k_per_device_max", cfg.k_per_device_max, 1)
-    else:
-        _require_int("k_per_device", cfg.k_per_device, 1)
-        if cfg.k_per_device > cfg.k:
-            raise ConfigError(f"k_per_device ({cfg.k_per_device}) must not exceed k ({cfg.k})")
-    if cfg.seeding not in SEEDINGS:
-        raise ConfigError(f"seeding must be one of {', '.join(SEEDINGS)}, got {cfg.seeding!r}")
-    _require_number("robust_min_size", cfg.robust_min_size)
-    _require_int("seed", cfg.seed, 0)
-    _require_int("max_iter", cfg.max_iter, 1)
-    _require_int("max_rows_per_device", cfg.max_rows_per_device, 1)
-    if cfg.local_partitions is not None:
-        _require_int("local_partitions", cfg.local_partitions, 1)
-    _require_number("tol", cfg.tol)
-    if cfg.server_refine not in ("lloyd", "none"):
-        raise ConfigError(f"server_refine must be 'lloyd' or 'none', got {cfg.server_refine!r}")
+def validate_columns(inp: InputConfig) -> None:
+    """The column names the clustering reads (what the estimator's params also set)."""
+    columns = [inp.device_col] + (inp.features_col if isinstance(inp.features_col, list) else [inp.features_col])
+    if not inp.features_col or any(not isinstance(c, str) or not c for c in columns):
+        raise ConfigError("input.device_col and input.features_col must be column names (features: one or a list)")
+
+
+def validate_run(cfg: KFedConfig) -> None:
+    """The job's own settings, beside the clustering's."""
+    if cfg.local_partitions is not None and integer(1)(cfg.local_partitions):
+        raise ConfigError(f"local_partitions must be an integer >= 1, got {cfg.local_partitions!r}")
     if not isinstance(cfg.report, bool):
         raise ConfigError(f"report must be true or false, got {cfg.report!r}")
     if cfg.on_bad_rows not in ("quarantine", "fail"):
         raise ConfigError(f"on_bad_rows must be 'quarantine' or 'fail', got {cfg.on_bad_rows!r}")
-    if cfg.label_mode not in ("induced", "nearest"):
-        raise ConfigError(f"label_mode must be 'induced' or 'nearest', got {cfg.label_mode!r}")
     if cfg.run_id is not None and not (isinstance(cfg.run_id, str) and RUN_ID_PATTERN.match(cfg.run_id)):
         raise ConfigError(
             f"run_id {cfg.run_id!r} is not allowed: use 1-128 letters, digits, '_', '.', ':' or '-', "
             "starting with a letter or digit"
         )
-    columns = [cfg.input.device_col] + (
-        cfg.input.features_col if isinstance(cfg.input.features_col, list) else [cfg.input.features_col]
-    )
-    if not cfg.input.features_col or any(not isinstance(c, str) or not c for c in columns):
-        raise ConfigError("input.device_col and input.features_col must be column names (features: one or a list)")
 
 
 def validate_io(cfg: KFedConfig) -> None:

@@ -4,29 +4,29 @@
 >>> model.transform(df).select("device_id", "prediction", "local_prediction")  # doctest: +SKIP
 >>> model.write().overwrite().save(path); KFedModel.load(path)                 # doctest: +SKIP
 
-It runs the same code as `kfed-spark run` (kfed_spark.pipeline.fit and label_rows); only the
+It runs the same code as `kfed-spark run` (kfed_spark.fitting.fit and label_rows); only the
 output columns and the persistence differ.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
-from pyspark import keyword_only
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.param.shared import HasFeaturesCol, HasMaxIter, HasPredictionCol, HasSeed, HasTol
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from kfed_spark.batches import SQ_DIST_COL, LabelModel
-from kfed_spark.config import InputConfig, KFedConfig, validate_algorithm
+from kfed_spark.workers import SQ_DIST_COL
+from kfed_spark.config import InputConfig, KFedConfig, validate_columns
 from kfed_spark.errors import ConfigError
-from kfed_spark.kernels import MAX_ITER, TOL
-from kfed_spark.pipeline import (
+from kfed_spark.kernels import LabelModel
+from kfed_spark.params import AlgorithmParams
+from kfed_spark.fitting import (
     LOCAL_CENTER_COLUMNS,
     REASON_COL,
     LocalCenters,
@@ -39,147 +39,79 @@ from kfed_spark.pipeline import (
 LOCAL_CENTERS_DATA = "data/local_centers"
 
 
-class _KFedParams(HasFeaturesCol, HasPredictionCol, HasSeed, HasMaxIter, HasTol):
-    """Params shared by KFed and KFedModel."""
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
 
-    k = Param(Params._dummy(), "k", "number of global clusters. Must be >= 1.", typeConverter=TypeConverters.toInt)
-    kPerDevice = Param(
-        Params._dummy(), "kPerDevice",
-        "clusters per device: an integer in [1, k], 'auto' (each device estimates its own), or a column name.",
-        typeConverter=lambda value: value if isinstance(value, str) else TypeConverters.toInt(value),
-    )
-    seeding = Param(
-        Params._dummy(), "seeding", "server seeding: 'farthest', 'robust' or 'kmeanspp'.",
-        typeConverter=TypeConverters.toString,
-    )
-    deviceCol = Param(Params._dummy(), "deviceCol", "device id column.", typeConverter=TypeConverters.toString)
-    localPredictionCol = Param(
-        Params._dummy(), "localPredictionCol", "output column of the local cluster within the device.",
-        typeConverter=TypeConverters.toString,
-    )
-    serverRefine = Param(
-        Params._dummy(), "serverRefine", "'lloyd' (count-weighted Lloyd over local centers) or 'none'.",
-        typeConverter=TypeConverters.toString,
-    )
-    labelMode = Param(
-        Params._dummy(), "labelMode", "'induced' (device's nearest local center decides) or 'nearest'.",
-        typeConverter=TypeConverters.toString,
-    )
-    maxRowsPerDevice = Param(
-        Params._dummy(), "maxRowsPerDevice", "a larger device is clustered on a deterministic sample of this size.",
-        typeConverter=TypeConverters.toInt,
-    )
+
+def _converter(kind: str):
+    """The Param type converter for an AlgorithmParams field's annotation."""
+    if kind == "int | str":
+        return lambda value: value if isinstance(value, str) else TypeConverters.toInt(value)
+    return {"int": TypeConverters.toInt, "float": TypeConverters.toFloat, "str": TypeConverters.toString}[kind]
+
+
+ALGORITHM_PARAMS = {_camel(spec.name): spec for spec in fields(AlgorithmParams)}
+"""Estimator Param name -> the row of kfed_spark.params it stands for."""
+
+COLUMN_PARAMS = {
+    "deviceCol": ("device_id", "device id column."),
+    "featuresCol": ("features", "features column: an array of numbers or a Spark ML vector."),
+    "predictionCol": ("prediction", "output column of the global cluster."),
+    "localPredictionCol": ("local_prediction", "output column of the local cluster within the device."),
+}
+"""Param name -> (default, meaning) of the columns the estimator reads and writes."""
+
+
+class _KFedParams(Params):
+    """Params shared by KFed and KFedModel: one per row of AlgorithmParams, plus the column names.
+
+    Each Param has a getter (getK, getKPerDevice, ...); KFed also has a setter for each.
+    """
 
     def __init__(self, *args):
         super().__init__(*args)
         self._setDefault(
-            k=2, kPerDevice=2, deviceCol="device_id", featuresCol="features", predictionCol="prediction",
-            localPredictionCol="local_prediction", serverRefine="lloyd", labelMode="induced", maxIter=MAX_ITER,
-            tol=TOL, maxRowsPerDevice=100_000, seed=0, seeding="robust",
+            **{name: spec.default for name, spec in ALGORITHM_PARAMS.items()},
+            **{name: default for name, (default, _) in COLUMN_PARAMS.items()},
         )
-
-    def getK(self) -> int:
-        return self.getOrDefault(self.k)
-
-    def getKPerDevice(self) -> int | str:
-        return self.getOrDefault(self.kPerDevice)
-
-    def getSeeding(self) -> str:
-        return self.getOrDefault(self.seeding)
-
-    def getDeviceCol(self) -> str:
-        return self.getOrDefault(self.deviceCol)
-
-    def getLocalPredictionCol(self) -> str:
-        return self.getOrDefault(self.localPredictionCol)
-
-    def getServerRefine(self) -> str:
-        return self.getOrDefault(self.serverRefine)
-
-    def getLabelMode(self) -> str:
-        return self.getOrDefault(self.labelMode)
-
-    def getMaxRowsPerDevice(self) -> int:
-        return self.getOrDefault(self.maxRowsPerDevice)
 
     def _config(self) -> KFedConfig:
         """The params as the job's configuration, so both run one implementation."""
+        values = {spec.name: self.getOrDefault(name) for name, spec in ALGORITHM_PARAMS.items()}
         cfg = KFedConfig(
-            input=InputConfig(device_col=self.getDeviceCol(), features_col=self.getFeaturesCol()),
-            k=self.getK(),
-            k_per_device=self.getKPerDevice(),
-            seed=self.getSeed() & 0x7FFFFFFFFFFFFFFF,
-            seeding=self.getSeeding(),
-            server_refine=self.getServerRefine(),
-            label_mode=self.getLabelMode(),
-            max_iter=self.getMaxIter(),
-            tol=self.getTol(),
-            max_rows_per_device=self.getMaxRowsPerDevice(),
+            input=InputConfig(device_col=self.getOrDefault("deviceCol"), features_col=self.getOrDefault("featuresCol")),
+            **{**values, "seed": values["seed"] & 0x7FFFFFFFFFFFFFFF},
         )
-        validate_algorithm(cfg)
+        cfg.check()
+        validate_columns(cfg.input)
         return cfg
 
 
+def _declare(params: dict[str, tuple[Param, object]], with_setters: type) -> None:
+    """Put each Param and its getter on _KFedParams, and its setter on with_setters."""
+    for name, (param, _) in params.items():
+        accessor = name[0].upper() + name[1:]
+        setattr(_KFedParams, name, param)
+        setattr(_KFedParams, f"get{accessor}", lambda self, name=name: self.getOrDefault(name))
+        setattr(with_setters, f"set{accessor}", lambda self, value, name=name: self._set(**{name: value}))
+
+
 class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
-    """One-shot federated k-means (k-FED): each device clusters its rows once, the driver merges."""
+    """One-shot federated k-means (k-FED): each device clusters its rows once, the driver merges.
 
-    @keyword_only
-    def __init__(
-        self, *, k: int = 2, kPerDevice: int | str = 2, deviceCol: str = "device_id", featuresCol: str = "features",
-        predictionCol: str = "prediction", localPredictionCol: str = "local_prediction", seed: int = 0,
-        serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = MAX_ITER, tol: float = TOL,
-        maxRowsPerDevice: int = 100_000, seeding: str = "robust",
-    ):
+    Takes every Param as a keyword (see the signature); each also has a getter and a setter.
+    """
+
+    def __init__(self, **params):
         super().__init__()
-        self._set(**self._input_kwargs)
+        self.setParams(**params)
 
-    @keyword_only
-    def setParams(
-        self, *, k: int = 2, kPerDevice: int | str = 2, deviceCol: str = "device_id", featuresCol: str = "features",
-        predictionCol: str = "prediction", localPredictionCol: str = "local_prediction", seed: int = 0,
-        serverRefine: str = "lloyd", labelMode: str = "induced", maxIter: int = MAX_ITER, tol: float = TOL,
-        maxRowsPerDevice: int = 100_000, seeding: str = "robust",
-    ) -> "KFed":
-        return self._set(**self._input_kwargs)
-
-    def setK(self, value: int) -> "KFed":
-        return self._set(k=value)
-
-    def setKPerDevice(self, value: int | str) -> "KFed":
-        return self._set(kPerDevice=value)
-
-    def setSeeding(self, value: str) -> "KFed":
-        return self._set(seeding=value)
-
-    def setDeviceCol(self, value: str) -> "KFed":
-        return self._set(deviceCol=value)
-
-    def setFeaturesCol(self, value: str) -> "KFed":
-        return self._set(featuresCol=value)
-
-    def setPredictionCol(self, value: str) -> "KFed":
-        return self._set(predictionCol=value)
-
-    def setLocalPredictionCol(self, value: str) -> "KFed":
-        return self._set(localPredictionCol=value)
-
-    def setSeed(self, value: int) -> "KFed":
-        return self._set(seed=value)
-
-    def setServerRefine(self, value: str) -> "KFed":
-        return self._set(serverRefine=value)
-
-    def setLabelMode(self, value: str) -> "KFed":
-        return self._set(labelMode=value)
-
-    def setMaxIter(self, value: int) -> "KFed":
-        return self._set(maxIter=value)
-
-    def setTol(self, value: float) -> "KFed":
-        return self._set(tol=value)
-
-    def setMaxRowsPerDevice(self, value: int) -> "KFed":
-        return self._set(maxRowsPerDevice=value)
+    def setParams(self, **params) -> "KFed":
+        unknown = sorted(set(params) - set(_ALL_PARAMS))
+        if unknown:
+            raise TypeError(f"KFed has no param {unknown[0]!r}; params: {', '.join(_ALL_PARAMS)}")
+        return self._set(**params)
 
     def _fit(self, dataset: DataFrame) -> "KFedModel":
         clustering = fit(dataset, self._config())
@@ -271,6 +203,25 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
     @classmethod
     def read(cls) -> MLReader["KFedModel"]:
         return _KFedModelReader(cls)
+
+
+_ALL_PARAMS = {
+    **{
+        name: (Param(Params._dummy(), name, spec.metadata["doc"] + ".", _converter(spec.type)), spec.default)
+        for name, spec in ALGORITHM_PARAMS.items()
+    },
+    **{
+        name: (Param(Params._dummy(), name, doc, TypeConverters.toString), default)
+        for name, (default, doc) in COLUMN_PARAMS.items()
+    },
+}
+"""Every Param of KFed and KFedModel with its default."""
+_declare(_ALL_PARAMS, KFed)
+KFed.__init__.__signature__ = inspect.Signature(
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+       for name, (_, default) in _ALL_PARAMS.items()]
+)
 
 
 class _DataFrameWriter(MLWriter):

@@ -10,6 +10,9 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
+
+from kfed_spark.params import DEFAULTS, SEEDINGS
 
 MARGIN = 3.0
 """Alg. 1 keeps a point for a rough center r when it is MARGIN times closer to r than to any other."""
@@ -26,9 +29,8 @@ DUPLICATE_TOLERANCE = 1e-12
 DISTANCE_CHUNK_ELEMENTS = 1 << 22
 """Distance matrices are built in row chunks of at most this many entries (32 MiB of float64)."""
 
-MAX_ITER = 100
-TOL = 1e-8
-"""Lloyd's bounds on the devices and on the server: the defaults of the config and the estimator too."""
+LABEL_CHUNK_ROWS = 1 << 16
+"""federated_kmeans labels this many rows at a time, as a worker labels one Arrow batch."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def lloyd(
     weights: np.ndarray,
     centers: np.ndarray,
     max_iter: int,
-    tol: float = 0.0,
+    tol: float,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Weighted Lloyd from the given centers until assignments stop changing.
 
@@ -207,7 +209,7 @@ def margin_initial_centers(
 
 
 def local_step(
-    x: np.ndarray, k: int, rng: np.random.Generator, max_iter: int = MAX_ITER, tol: float = TOL
+    x: np.ndarray, k: int, rng: np.random.Generator, max_iter: int = DEFAULTS.max_iter, tol: float = DEFAULTS.tol
 ) -> LocalClustering:
     """Alg. 1 on one device's rows x (n, d): at most k local centers with counts and SSE.
 
@@ -222,7 +224,7 @@ def local_step(
     rank = min(k, distinct.shape[1])
     projected = distinct @ top_right_singular_vectors(distinct, weights, rank, rng).T
     rough = projected[kmeans_plusplus(projected, weights, k, rng)]
-    rough = lloyd(projected, weights, rough, ROUGH_LLOYD_ITERATIONS)[0]
+    rough = lloyd(projected, weights, rough, ROUGH_LLOYD_ITERATIONS, tol=0.0)[0]
     initial = margin_initial_centers(distinct, projected, weights, rough)
     centers, labels, sq_dist, _ = lloyd(distinct, weights, initial, max_iter, tol)
     mass = np.bincount(labels, weights=weights, minlength=k)
@@ -287,7 +289,6 @@ def scale_counts(counts: np.ndarray, total: int) -> np.ndarray:
     return scaled
 
 
-SEEDINGS = ("farthest", "robust", "kmeanspp")
 KMEANSPP_RESTARTS = 10
 """Seedings tried by seeding="kmeanspp"; the one with the lowest weighted cost is kept."""
 
@@ -301,12 +302,12 @@ def server_step(
     device_ids: np.ndarray,
     local_ids: np.ndarray,
     k: int,
-    refine: str = "lloyd",
-    max_iter: int = MAX_ITER,
-    tol: float = TOL,
-    seeding: str = "robust",
-    robust_min_size: float = 0.25,
-    seed: int = 0,
+    refine: str = DEFAULTS.server_refine,
+    max_iter: int = DEFAULTS.max_iter,
+    tol: float = DEFAULTS.tol,
+    seeding: str = DEFAULTS.seeding,
+    robust_min_size: float = DEFAULTS.robust_min_size,
+    seed: int = DEFAULTS.seed,
 ) -> ServerClustering:
     """Alg. 2: merge all devices' local centers into k global clusters.
 
@@ -435,6 +436,50 @@ def nearest_device_center(
 
 
 @dataclass(frozen=True)
+class LabelModel:
+    """Everything needed to label a row: each device's local centers and their global clusters.
+
+    Devices are rows of padded arrays: device_centers (devices, k', d), center_valid (devices,
+    k'), center_cluster (devices, k'). It travels to the workers inside the labelling function,
+    which Spark broadcasts once it is large.
+    """
+
+    devices: np.ndarray
+    device_centers: np.ndarray
+    center_valid: np.ndarray
+    center_cluster: np.ndarray
+    global_centers: np.ndarray
+    label_mode: str
+
+    @classmethod
+    def build(cls, devices, local_ids, centers, clusters, global_centers, label_mode) -> "LabelModel":
+        keys, slot = np.unique(np.asarray(devices), return_inverse=True)
+        width = int(np.max(local_ids)) + 1
+        device_centers = np.zeros((len(keys), width, centers.shape[1]))
+        center_valid = np.zeros((len(keys), width), dtype=bool)
+        center_cluster = np.full((len(keys), width), -1, dtype=np.int64)
+        device_centers[slot, local_ids] = centers
+        center_valid[slot, local_ids] = True
+        center_cluster[slot, local_ids] = clusters
+        return cls(keys, device_centers, center_valid, center_cluster, global_centers, label_mode)
+
+    def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(local_cluster_id, cluster_id, squared distance to the global center) per row."""
+        slots = pd.Index(self.devices).get_indexer(devices)
+        if np.any(slots < 0):
+            unknown = plain(devices[np.flatnonzero(slots < 0)[0]])
+            raise ValueError(f"device {unknown!r} has no local centers in this model")
+        local, _ = nearest_device_center(x, slots, self.device_centers, self.center_valid)
+        if self.label_mode == "nearest":
+            cluster, sq_dist = nearest_center(x, self.global_centers)
+        else:
+            cluster = self.center_cluster[slots, local]
+            diff = x - self.global_centers[cluster]
+            sq_dist = np.einsum("ij,ij->i", diff, diff)
+        return local, cluster, sq_dist
+
+
+@dataclass(frozen=True)
 class FederatedClustering:
     """k-FED over all devices in one process: per-row labels plus what the Spark job also reports."""
 
@@ -451,13 +496,13 @@ def federated_kmeans(
     k: int,
     k_per_device: int | str,
     seed: int,
-    refine: str = "lloyd",
-    label_mode: str = "induced",
-    max_iter: int = MAX_ITER,
-    tol: float = TOL,
-    seeding: str = "robust",
-    robust_min_size: float = 0.25,
-    k_per_device_max: int = 16,
+    refine: str = DEFAULTS.server_refine,
+    label_mode: str = DEFAULTS.label_mode,
+    max_iter: int = DEFAULTS.max_iter,
+    tol: float = DEFAULTS.tol,
+    seeding: str = DEFAULTS.seeding,
+    robust_min_size: float = DEFAULTS.robust_min_size,
+    k_per_device_max: int = DEFAULTS.k_per_device_max,
 ) -> FederatedClustering:
     """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
 
@@ -476,8 +521,9 @@ def federated_kmeans(
     per_device = np.array([len(r.counts) for r in results])
     local_devices = np.repeat(keys, per_device)
     local_ids = np.concatenate([np.arange(m) for m in per_device])
+    local_centers = np.concatenate([r.centers for r in results])
     server = server_step(
-        np.concatenate([r.centers for r in results]),
+        local_centers,
         np.concatenate([r.counts for r in results]),
         local_devices,
         local_ids,
@@ -489,13 +535,10 @@ def federated_kmeans(
         robust_min_size=robust_min_size,
         seed=seed,
     )
-    first_center = np.concatenate([[0], np.cumsum(per_device)[:-1]])
+    model = LabelModel.build(local_devices, local_ids, local_centers, server.assignment, server.centers, label_mode)
     local_labels = np.empty(len(x), dtype=np.int64)
     labels = np.empty(len(x), dtype=np.int64)
-    for index, (s, e) in enumerate(zip(starts, ends)):
-        rows = order[s:e]
-        local_labels[rows], _ = nearest_center(x[rows], results[index].centers)
-        labels[rows] = server.assignment[first_center[index] + local_labels[rows]]
-    if label_mode == "nearest":
-        labels, _ = nearest_center(x, server.centers)
+    for start in range(0, len(x), LABEL_CHUNK_ROWS):
+        chunk = slice(start, start + LABEL_CHUNK_ROWS)
+        local_labels[chunk], labels[chunk], _ = model.label(devices[chunk], x[chunk])
     return FederatedClustering(labels, local_labels, server, np.concatenate([r.counts for r in results]), local_devices)

@@ -1,6 +1,6 @@
 """The run report: figures a person looks at, as report.json, a self-contained report.html and text.
 
-Everything here works on numpy arrays and dicts already on the driver; the pipeline gathers them.
+Everything here works on numpy arrays and dicts already on the driver; the job (kfed_spark.job) gathers them.
 """
 
 from __future__ import annotations

@@ -283,3 +283,28 @@ def test_the_readme_demo_clusters_the_mixture_and_leaves_tables_and_a_report(spa
     assert (report_folder(tmp_path / "demo" / "output", "demo") / "report.html").exists()
     assert main(["report", "demo", "--output", str(tmp_path / "demo" / "output")]) == 0
     assert "40000 in, 40000 labelled, 0 quarantined" in capsys.readouterr().out
+
+
+@pytest.mark.integration  # a CLI process of its own, for its event log
+def test_a_run_with_truth_and_report_reads_its_input_in_three_stages(config, tmp_path):
+    """The dimension sample (the first 10,000 rows: here all 6,000), the local step and the labelling
+    pass read every row; counting, evaluation and the report's sample add no pass of their own."""
+    events = tmp_path / "events"
+    events.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "kfed_spark.cli", "run", "--config", str(config), "--set", "report=true",
+         "--set", "spark.conf.spark.eventLog.enabled=true", "--set", "spark.conf.spark.eventLog.compress=false",
+         "--set", f"spark.conf.spark.eventLog.dir={events.as_uri()}"],
+        capture_output=True, text=True, check=False, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    read_by_stage = {}
+    for log in events.rglob("events_*"):  # Spark 4 writes rolling logs, in a folder per application
+        for line in log.read_text().splitlines():
+            event = json.loads(line)
+            if event["Event"] == "SparkListenerTaskEnd":
+                read = (event.get("Task Metrics") or {}).get("Input Metrics", {}).get("Records Read", 0)
+                read_by_stage[event["Stage ID"]] = read_by_stage.get(event["Stage ID"], 0) + read
+    rows = MIXTURE["devices"] * MIXTURE["points_per_device"]
+    assert sum(read >= rows for read in read_by_stage.values()) == 3, read_by_stage
+    assert sum(read_by_stage.values()) < 4 * rows  # the rest: one Arrow batch for the device check, Delta logs

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kfed_spark.batches import feature_matrix
+from kfed_spark.workers import feature_matrix
 from kfed_spark.config import build_config
 from kfed_spark.kernels import federated_kmeans, server_step
 from kfed_spark.metrics import adjusted_rand_index, cost_of_labels
@@ -100,7 +100,7 @@ def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed:
     from pyspark.sql import functions as F
 
     from kfed_spark.io import OutputTables
-    from kfed_spark.pipeline import run
+    from kfed_spark.job import run
 
     cfg = build_config(
         {

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kfed_spark.batches import features_array
+from kfed_spark.workers import features_array
 from kfed_spark.errors import InputError
 
 DATA_DIR_ENV = "KFED_DATA_DIR"

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kfed_spark.batches import feature_matrix, features_array
+from kfed_spark.workers import feature_matrix, features_array
 from kfed_spark.bench.datasets import DATASETS, load
 from kfed_spark.kernels import device_rng, federated_kmeans
 from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of

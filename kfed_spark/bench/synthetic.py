@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kfed_spark.batches import features_array
+from kfed_spark.workers import features_array
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.kernels import device_rng
 

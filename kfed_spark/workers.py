@@ -13,22 +13,23 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kfed_spark.evaluation import EvaluationSpec, PartitionEvaluation
 from kfed_spark.kernels import (
+    LabelModel,
     LocalClustering,
     device_rng,
     estimate_local_k,
     local_step,
-    nearest_center,
-    nearest_device_center,
-    plain,
     row_hashes,
     scale_counts,
     smallest_hashes,
-    weighted_means,
 )
 
 SQ_DIST_COL = "__kfed_sq_dist"
 """Internal column: a row's squared distance to its global center, summed into the run's cost."""
+
+EVALUATION_COL = "__kfed_evaluation"
+"""Internal column: a partition's PartitionEvaluation (kfed_spark.evaluation) on its last labelled row."""
 
 LOCAL_OUTPUT_ROWS = 4096
 """Local-center rows gathered before a batch is sent back to Spark."""
@@ -208,50 +209,6 @@ class _LocalCenterRows:
         return batch
 
 
-@dataclass(frozen=True)
-class LabelModel:
-    """Everything needed to label a row: each device's local centers and their global clusters.
-
-    Devices are rows of padded arrays: device_centers (devices, k', d), center_valid (devices,
-    k'), center_cluster (devices, k'). It travels to the workers inside the labelling function,
-    which Spark broadcasts once it is large.
-    """
-
-    devices: np.ndarray
-    device_centers: np.ndarray
-    center_valid: np.ndarray
-    center_cluster: np.ndarray
-    global_centers: np.ndarray
-    label_mode: str
-
-    @classmethod
-    def build(cls, devices, local_ids, centers, clusters, global_centers, label_mode) -> "LabelModel":
-        keys, slot = np.unique(np.asarray(devices), return_inverse=True)
-        width = int(np.max(local_ids)) + 1
-        device_centers = np.zeros((len(keys), width, centers.shape[1]))
-        center_valid = np.zeros((len(keys), width), dtype=bool)
-        center_cluster = np.full((len(keys), width), -1, dtype=np.int64)
-        device_centers[slot, local_ids] = centers
-        center_valid[slot, local_ids] = True
-        center_cluster[slot, local_ids] = clusters
-        return cls(keys, device_centers, center_valid, center_cluster, global_centers, label_mode)
-
-    def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(local_cluster_id, cluster_id, squared distance to the global center) per row."""
-        slots = pd.Index(self.devices).get_indexer(devices)
-        if np.any(slots < 0):
-            unknown = plain(devices[np.flatnonzero(slots < 0)[0]])
-            raise ValueError(f"device {unknown!r} has no local centers in this model")
-        local, _ = nearest_device_center(x, slots, self.device_centers, self.center_valid)
-        if self.label_mode == "nearest":
-            cluster, sq_dist = nearest_center(x, self.global_centers)
-        else:
-            cluster = self.center_cluster[slots, local]
-            diff = x - self.global_centers[cluster]
-            sq_dist = np.einsum("ij,ij->i", diff, diff)
-        return local, cluster, sq_dist
-
-
 NON_FINITE = "non_finite_value"
 
 
@@ -263,6 +220,7 @@ def label_batches(
     reason_col: str,
     dim: int,
     keep_features_as: str | None = None,
+    evaluation: EvaluationSpec | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Label every row whose reason is null; drop the features column, or keep it under the name
     keep_features_as (when it is the input's own column, renamed so it crosses to Python once).
@@ -270,8 +228,12 @@ def label_batches(
     Rows already carrying a reason pass through unlabelled. A row whose features hold a null,
     NaN or infinite value gets the reason NON_FINITE here, where numpy checks it for next to
     nothing. Appends local_cluster_id, cluster_id and the squared distance to the global center
-    (null for unlabelled rows) and keeps the reason column last.
+    (null for unlabelled rows) and keeps the reason column last. With an evaluation spec, an
+    EVALUATION_COL before the reason holds the partition's PartitionEvaluation on its last row
+    (null on every other row); each batch is held until the next one shows it is not the last.
     """
+    gathered = None if evaluation is None else PartitionEvaluation(evaluation)
+    held = None
     for batch in batches:
         reasons = batch.column(reason_col).to_numpy(zero_copy_only=False).astype(object)
         candidates = np.flatnonzero(pd.isna(reasons))
@@ -286,41 +248,38 @@ def label_batches(
         keep = [name for name in batch.schema.names if name != reason_col]
         if keep_features_as is None:
             keep.remove(features_col)
-        yield pa.RecordBatch.from_arrays(
-            [batch.column(name) for name in keep]
-            + [
-                _scatter(local, rows, unlabelled, pa.int32()),
-                _scatter(cluster, rows, unlabelled, pa.int32()),
-                _scatter(sq_dist, rows, unlabelled, pa.float64()),
-                pa.array(reasons, type=pa.string()),
-            ],
-            names=[keep_features_as if name == features_col else name for name in keep]
-            + ["local_cluster_id", "cluster_id", SQ_DIST_COL, reason_col],
-        )
+        columns = [batch.column(name) for name in keep] + [
+            _scatter(local, rows, unlabelled, pa.int32()),
+            _scatter(cluster, rows, unlabelled, pa.int32()),
+            _scatter(sq_dist, rows, unlabelled, pa.float64()),
+        ]
+        names = [keep_features_as if name == features_col else name for name in keep] + [
+            "local_cluster_id", "cluster_id", SQ_DIST_COL
+        ]
+        if gathered is None:
+            yield pa.RecordBatch.from_arrays(columns + [pa.array(reasons, type=pa.string())], names + [reason_col])
+            continue
+        truth = None if evaluation.truth_col is None else batch.column(evaluation.truth_col).take(rows)
+        gathered.add(truth, x[finite], cluster)
+        if held is not None:
+            yield _with_evaluation(*held, None)
+        held = (columns, names, reasons, reason_col)
+    if held is not None:
+        yield _with_evaluation(*held, gathered.to_bytes())
+
+
+def _with_evaluation(columns, names, reasons, reason_col, blob: bytes | None) -> pa.RecordBatch:
+    """A labelled batch with EVALUATION_COL, holding blob on its last row."""
+    blobs = [None] * len(reasons)
+    if blob is not None:
+        blobs[-1] = blob
+    return pa.RecordBatch.from_arrays(
+        columns + [pa.array(blobs, type=pa.binary()), pa.array(reasons, type=pa.string())],
+        names + [EVALUATION_COL, reason_col],
+    )
 
 
 def _scatter(values: np.ndarray, rows: np.ndarray, unlabelled: np.ndarray, kind: pa.DataType) -> pa.Array:
     full = np.zeros(len(unlabelled), dtype=values.dtype)
     full[rows] = values
     return pa.array(full, type=kind, mask=unlabelled)
-
-
-def label_moments(batches: Iterator[pa.RecordBatch], label_col: str, features_col: str, dim: int) -> Iterator[pa.RecordBatch]:
-    """Per label and batch: row count, sum of rows and sum of squared norms (partial moments)."""
-    for batch in batches:
-        labels = batch.column(label_col).to_numpy(zero_copy_only=False)
-        x = feature_matrix(batch.column(features_col), dim)
-        finite = np.isfinite(x).all(axis=1)
-        labels, x = labels[finite], x[finite]
-        keys, index = np.unique(labels, return_inverse=True)
-        means, counts = weighted_means(x, np.ones(len(x)), index, len(keys))
-        sums = means * counts[:, None]
-        yield pa.RecordBatch.from_arrays(
-            [
-                pa.array(keys.astype(str)),
-                pa.array(np.bincount(index, minlength=len(keys)), type=pa.int64()),
-                features_array(sums),
-                pa.array(np.bincount(index, weights=np.einsum("ij,ij->i", x, x), minlength=len(keys))),
-            ],
-            names=["label", "n", "sum", "sum_sq"],
-        )

@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kfed_spark.batches import LabelModel, LocalStepSpec, device_runs, label_batches, local_centers_from_batches
-from kfed_spark.kernels import device_rng, local_step, row_hashes, smallest_hashes
+from kfed_spark.workers import LocalStepSpec, device_runs, label_batches, local_centers_from_batches
+from kfed_spark.kernels import LabelModel, device_rng, local_step, row_hashes, smallest_hashes
 
 
 def rows_batch(devices, x, device_type=pa.int64()):

@@ -1,0 +1,110 @@
+"""A run's evaluation, gathered in the pass that labels the rows instead of passes of its own.
+
+Each Python worker adds up, over the labelled rows of its partition, the truth x cluster counts,
+each truth class's moments (rows, sum, sum of squared norms) and the rows whose seeded hash falls
+under a threshold (the report's sample). It hands them to Spark as one small blob on the partition's
+last row; the driver collects the blobs with an Observation and merges them (Evaluation.merge). The
+same rows, figures and sample come out however the rows are partitioned. Pure numpy and pandas.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kfed_spark.kernels import row_hashes
+from kfed_spark.metrics import contingency, within_cluster_cost
+
+NULL_TRUTH = "\0null"
+"""The truth class of rows whose truth value is null (truth values are compared as text)."""
+
+
+@dataclass(frozen=True)
+class EvaluationSpec:
+    """What a worker gathers: per-class figures if truth_col is set, and sample rows (hash < sample_below)."""
+
+    truth_col: str | None
+    sample_below: int
+    seed: int
+
+    @classmethod
+    def of(cls, truth_col: str | None, sample_rows: int, expected_rows: int, seed: int) -> EvaluationSpec:
+        """Aim at four times sample_rows sampled rows out of expected_rows, so that the merge almost
+        surely finds sample_rows of them; the merge keeps the sample_rows smallest hashes."""
+        share = 0.0 if sample_rows == 0 else min(1.0, 4.0 * sample_rows / max(expected_rows, 1))
+        return cls(truth_col, min(int(share * 2.0**64), 2**64 - 1), seed)
+
+
+class PartitionEvaluation:
+    """What one partition's labelled rows add to the evaluation."""
+
+    def __init__(self, spec: EvaluationSpec):
+        self.spec = spec
+        self.cells: list[pd.Series] = []
+        self.moments: list[pd.DataFrame] = []
+        self.sample: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, truth: pa.Array | None, x: np.ndarray, cluster: np.ndarray) -> None:
+        """Labelled rows: their truth values (None without a truth column), features and clusters."""
+        if self.spec.sample_below:
+            hashes = row_hashes(x, self.spec.seed)
+            chosen = hashes < np.uint64(self.spec.sample_below)
+            self.sample.append((hashes[chosen], x[chosen], cluster[chosen]))
+        if truth is None or len(x) == 0:
+            return
+        classes = pc.fill_null(pc.cast(truth, pa.string()), NULL_TRUTH).to_numpy(zero_copy_only=False)
+        self.cells.append(pd.Series(cluster).groupby([classes, cluster]).size())
+        sums = pd.DataFrame(x).groupby(classes).sum()
+        sums["n"] = pd.Series(classes).value_counts()
+        sums["sum_sq"] = pd.Series(np.einsum("ij,ij->i", x, x)).groupby(classes).sum()
+        self.moments.append(sums)
+
+    def to_bytes(self) -> bytes:
+        return pickle.dumps(
+            (
+                _added(self.cells),
+                _added(self.moments),
+                tuple(np.concatenate(part) for part in zip(*self.sample)) if self.sample else None,
+            ),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+
+
+def _added(parts: list):
+    """Series or frames indexed by class (and cluster), added up; None if there are none."""
+    return pd.concat(parts).groupby(level=list(range(parts[0].index.nlevels))).sum() if parts else None
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The merged figures: truth x cluster counts and the planted clusters' cost (None without a
+    truth column), and the sampled rows with their clusters."""
+
+    cells: np.ndarray | None
+    truth_cost: float | None
+    sample_x: np.ndarray
+    sample_labels: np.ndarray
+
+    @classmethod
+    def merge(cls, blobs: list[bytes], sample_rows: int, dim: int) -> Evaluation:
+        parts = [pickle.loads(bytes(blob)) for blob in blobs]
+        cells = _added([p[0] for p in parts if p[0] is not None])
+        moments = _added([p[1] for p in parts if p[1] is not None])
+        samples = [p[2] for p in parts if p[2] is not None]
+        hashes, x, labels = (
+            (np.concatenate(column) for column in zip(*samples))
+            if samples else (np.empty(0, np.uint64), np.empty((0, dim)), np.empty(0, np.int64))
+        )
+        keep = np.lexsort((labels, hashes))[:sample_rows]  # by hash: the same whatever the partitions
+        if cells is None:
+            return cls(None, None, x[keep], labels[keep])
+        classes, clusters = (cells.index.get_level_values(level).to_numpy() for level in (0, 1))
+        truth_cost = within_cluster_cost(
+            moments["n"].to_numpy(), moments[list(range(dim))].to_numpy(), moments["sum_sq"].to_numpy()
+        )
+        return cls(contingency(classes, clusters, cells.to_numpy()), truth_cost, x[keep], labels[keep])

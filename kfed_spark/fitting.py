@@ -1,0 +1,336 @@
+"""k-FED fitted to a DataFrame and rows labelled with it: what the job and the estimator share.
+
+Feature preparation (validated), alg. 1 on every device in the executors (collect_local_centers),
+alg. 2 on the driver (fit), devices a model has not seen (extend_with_new_devices) and the
+labelling pass (label_rows). No Delta table and no file is written or read here; the
+functions Spark runs in the Python workers are in kfed_spark.workers, the numpy in kfed_spark.kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+from pyspark.ml.functions import vector_to_array
+from pyspark.ml.linalg import VectorUDT
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import to_arrow_type
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    NumericType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from kfed_spark import faults
+from kfed_spark.config import KFedConfig
+from kfed_spark.errors import InputError, KFedError
+from kfed_spark.evaluation import EvaluationSpec
+from kfed_spark.io import read_side_table
+from kfed_spark.kernels import LabelModel, ServerClustering, nearest_center, server_step
+from kfed_spark.workers import (
+    EVALUATION_COL,
+    SQ_DIST_COL,
+    LocalStepSpec,
+    feature_matrix,
+    label_batches,
+    local_centers_from_batches,
+)
+
+log = logging.getLogger("kfed_spark")
+
+FEATURES_COL = "__kfed_features"
+
+REASON_COL = "__kfed_reason"
+
+DEVICE_K_COL = "__kfed_k"
+
+FEATURES_SOURCE = "kfed_features_source"
+"""Metadata key of FEATURES_COL when it is the input's own features column under another name."""
+
+ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id", "attempt_id")
+
+LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
+
+LOCAL_CENTER_FIELDS = [
+    StructField("local_cluster_id", IntegerType(), False),
+    StructField("center", ArrayType(DoubleType(), False), False),
+    StructField("n_points", LongType(), False),
+    StructField("sse", DoubleType(), False),
+]
+"""The fields of a local center after its device_id."""
+
+DIMENSION_SAMPLE_ROWS = 10_000
+
+
+class StageTimer:
+    """Seconds each named stage of a run took (the runs table's timings)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - start, 3)
+        log.info("stage %s took %.2f s", name, self.seconds[name])
+
+
+@dataclass(frozen=True)
+class Clustering:
+    """k-FED fitted to a DataFrame: what the CLI job writes out and what the estimator's model holds."""
+
+    checked: DataFrame  # the input with the features as array<double> and a reason column
+    dim: int
+    local: LocalCenters
+    server: ServerClustering
+    model: LabelModel
+
+
+def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None) -> Clustering:
+    """Validate the input, run alg. 1 on every device in the executors and alg. 2 on the driver."""
+    timer = timer or StageTimer()
+    with timer.stage("validate"):
+        checked, dim = validated(raw, cfg)
+    return fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer)
+
+
+def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, timer: StageTimer) -> Clustering:
+    """fit() on an input that validated() has prepared."""
+    valid = checked.filter(F.col(REASON_COL).isNull())
+    with timer.stage("local_step"):
+        local = collect_local_centers(valid, cfg, dim, device_type)
+    if len(local.counts) == 0:
+        raise InputError(f"no row of the input can be clustered (all {checked.count()} rows are bad; see quarantine)")
+    with timer.stage("server_step"):
+        try:
+            server = server_step(
+                local.centers, local.counts, local.devices, local.ids, cfg.k, cfg.server_refine, cfg.max_iter, cfg.tol,
+                seeding=cfg.seeding, robust_min_size=cfg.robust_min_size, seed=cfg.seed,
+            )
+        except ValueError as exc:
+            raise KFedError(str(exc)) from None
+        log.info(
+            "server step: %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
+            len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
+        )
+    model = LabelModel.build(local.devices, local.ids, local.centers, server.assignment, server.centers,
+                             cfg.label_mode)
+    return Clustering(checked, dim, local, server, model)
+
+
+def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[DataFrame, int]:
+    """The input with a double-array features column, its dimension, and a reason column.
+
+    The reason is set here when the device is null, the features are null or empty, or their
+    length differs from the table's dimension (given, or found by table_dimension). Null, NaN
+    and infinite values are found by the Python functions, where numpy checks them for free;
+    a Spark SQL check per element costs a lambda call per value.
+    """
+    inp = cfg.input
+    columns = set(raw.columns)
+    if inp.device_col not in columns:
+        raise InputError(f"input has no device column {inp.device_col!r}; columns: {', '.join(raw.columns)}")
+    if inp.truth_col is not None and inp.truth_col not in columns:
+        raise InputError(f"input has no truth column {inp.truth_col!r} (input.truth_col); columns: {', '.join(raw.columns)}")
+    if isinstance(cfg.k_per_device, str) and cfg.k_per_device != "auto" and cfg.k_per_device not in columns:
+        k_side_table(raw.sparkSession, cfg.k_per_device, inp.device_col)
+    clashes = [c for c in (*ADDED_COLUMNS, FEATURES_COL, REASON_COL) if c in columns]
+    if clashes:
+        raise InputError(f"input already has column(s) {', '.join(clashes)}, which the output adds; rename them")
+    source = inp.features_col if isinstance(inp.features_col, str) else None
+    kind = raw.schema[source].dataType if source in columns else None
+    if isinstance(kind, ArrayType) and isinstance(kind.elementType, DoubleType):
+        # Already what the Python functions read: renamed, not copied, so each row's features
+        # cross to Python once; label_rows puts the original name back (FEATURES_SOURCE).
+        prepared = raw.select(
+            *[raw[c].alias(FEATURES_COL, metadata={FEATURES_SOURCE: c}) if c == source else raw[c] for c in raw.columns]
+        )
+    else:
+        prepared = raw.withColumn(FEATURES_COL, features_column(raw, inp.features_col))
+    if dim is None:
+        dim = table_dimension(raw, prepared)
+    feature = F.col(FEATURES_COL)
+    reason = (
+        F.when(F.col(inp.device_col).isNull(), "null_device")
+        .when(feature.isNull(), "null_features")
+        .when(F.size(feature) == 0, "empty_features")
+        .when(F.size(feature) != dim, F.lit(f"wrong_dimension (expected {dim})"))
+    )
+    return prepared.withColumn(REASON_COL, reason), dim
+
+
+def table_dimension(raw: DataFrame, prepared: DataFrame) -> int:
+    """The most common feature length among the first DIMENSION_SAMPLE_ROWS rows with features."""
+    sizes = (
+        prepared.select(F.size(FEATURES_COL).alias("dim"))
+        .filter("dim > 0")
+        .limit(DIMENSION_SAMPLE_ROWS)
+        .groupBy("dim")
+        .count()
+        .orderBy(F.desc("count"), "dim")
+        .first()
+    )
+    if sizes is None:
+        if raw.isEmpty():
+            raise InputError("the input has no rows")
+        raise InputError("no row of the input has any feature values")
+    return int(sizes["dim"])
+
+
+def features_column(df: DataFrame, features: str | list[str]) -> Column:
+    """The features as array<double>, from an array column, a vector column or numeric columns."""
+    names = features if isinstance(features, list) else [features]
+    missing = [name for name in names if name not in df.columns]
+    if missing:
+        raise InputError(f"input has no feature column(s) {', '.join(map(repr, missing))}; columns: {', '.join(df.columns)}")
+    types = {name: df.schema[name].dataType for name in names}
+    if isinstance(features, list):
+        wrong = [name for name, t in types.items() if not isinstance(t, NumericType)]
+        if wrong:
+            raise InputError(f"feature column(s) {', '.join(wrong)} are not numeric")
+        return F.array(*[F.col(name).cast("double") for name in names])
+    kind = types[features]
+    if isinstance(kind, VectorUDT):  # vector_to_array fails on a null vector; a null array is quarantined
+        return F.when(F.col(features).isNotNull(), vector_to_array(F.col(features)))
+    if isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
+        return F.col(features).cast("array<double>")
+    raise InputError(
+        f"feature column {features!r} has type {kind.simpleString()}; expected array of numbers, "
+        "a Spark ML vector, or a list of numeric columns"
+    )
+
+
+@dataclass(frozen=True)
+class LocalCenters:
+    """All devices' local centers, collected on the driver: the Arrow table and numpy views of it."""
+
+    table: pa.Table
+    devices: np.ndarray
+    ids: np.ndarray
+    centers: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table, dim: int) -> "LocalCenters":
+        return cls(
+            table=table,
+            devices=table.column("device_id").to_numpy(zero_copy_only=False),
+            ids=table.column("local_cluster_id").to_numpy(),
+            centers=feature_matrix(table.column("center"), dim),
+            counts=table.column("n_points").to_numpy(),
+        )
+
+
+def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
+    """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
+    fixed = not isinstance(cfg.k_per_device, str)
+    spec = LocalStepSpec(
+        cfg.k_per_device if fixed else min(cfg.k, cfg.k_per_device_max),
+        cfg.seed,
+        cfg.max_iter,
+        cfg.tol,
+        dim,
+        to_arrow_type(device_type),
+        cfg.max_rows_per_device,
+        k_source="fixed" if fixed else "auto" if cfg.k_per_device == "auto" else "column",
+        task_fault=faults.task_fault(),
+    )
+    schema = StructType([StructField("device_id", device_type, False), *LOCAL_CENTER_FIELDS])
+    rows = local_step_rows(valid, cfg)
+    partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
+    shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
+    table = shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema).toArrow()
+    return LocalCenters.from_arrow(table, dim)
+
+
+def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:
+    """(device_id, features) of the valid rows, plus each row's device's k_z when k_per_device
+    names a column of the input or a side table (device column + `k`), checked to be in [1, k]."""
+    device_col = cfg.input.device_col
+    rows = valid.select(F.col(device_col), F.col(FEATURES_COL))
+    source = cfg.k_per_device
+    if isinstance(source, str) and source != "auto":
+        if source in valid.columns:
+            rows = valid.select(device_col, FEATURES_COL, F.col(source).alias(DEVICE_K_COL))
+        else:
+            side = k_side_table(valid.sparkSession, source, device_col).select(device_col, F.col("k").alias(DEVICE_K_COL))
+            rows = rows.join(F.broadcast(side), device_col, "left")
+        if not isinstance(rows.schema[DEVICE_K_COL].dataType, NumericType):
+            raise InputError(f"k_per_device column {source!r} is not numeric")
+        k_z = F.col(DEVICE_K_COL)
+        bad = rows.filter(k_z.isNull() | (k_z < 1) | (k_z > cfg.k) | (k_z != F.floor(k_z))).first()
+        if bad is not None:
+            raise InputError(
+                f"k_per_device from {source!r} must be a whole number in [1, k = {cfg.k}] for every device; "
+                f"device {bad[device_col]!r} has {bad[DEVICE_K_COL]!r}"
+            )
+        rows = rows.withColumn(DEVICE_K_COL, k_z.cast("int"))
+    return rows.withColumnRenamed(device_col, "device_id")
+
+
+def k_side_table(spark: SparkSession, source: str, device_col: str) -> DataFrame:
+    """The side table that k_per_device names, checked to hold the device column and `k`."""
+    side = read_side_table(spark, source)
+    if device_col not in side.columns or "k" not in side.columns:
+        raise InputError(
+            f"k_per_device {source!r} is neither a column of the input nor a table with columns "
+            f"{device_col!r} and 'k' (its columns: {', '.join(side.columns)})"
+        )
+    return side
+
+
+def extend_with_new_devices(
+    valid: DataFrame, cfg: KFedConfig, dim: int, local: LocalCenters, assignment: np.ndarray, centers: np.ndarray
+) -> tuple[LocalCenters, np.ndarray]:
+    """Run alg. 1 on the devices of `valid` that `local` does not hold, and give each of their local
+    centers the nearest global center: O(k_z k) distance work per new device, no other device touched."""
+    device_col = cfg.input.device_col
+    device_type = valid.schema[device_col].dataType
+    known = valid.sparkSession.createDataFrame(
+        pa.table({"known_device": pa.array(np.unique(local.devices).tolist())})
+    ).select(F.col("known_device").cast(device_type))
+    new_rows = valid.join(F.broadcast(known), valid[device_col] == known["known_device"], "left_anti")
+    if new_rows.isEmpty():
+        return local, assignment
+    new = collect_local_centers(new_rows, cfg, dim, device_type)
+    log.info("%d devices the model had not seen: %d local centers", len(np.unique(new.devices)), len(new.counts))
+    table = pa.concat_tables([local.table, new.table.cast(local.table.schema)])
+    return LocalCenters.from_arrow(table, dim), np.concatenate([assignment, nearest_center(new.centers, centers)[0]])
+
+
+def labelled_fields(raw_schema: StructType) -> list[StructField]:
+    """The input's columns followed by the two cluster columns the labels table adds."""
+    return list(raw_schema.fields) + [
+        StructField("local_cluster_id", IntegerType(), True),
+        StructField("cluster_id", IntegerType(), True),
+    ]
+
+
+def label_rows(
+    rows: DataFrame, model: LabelModel, raw_schema: StructType, device_col: str, dim: int,
+    evaluation: EvaluationSpec | None = None,
+) -> DataFrame:
+    """Every row with its local and global cluster, its squared distance and its reason (null if labelled);
+    with an evaluation spec also EVALUATION_COL, which each partition's last row fills (workers.label_batches)."""
+    gathered = [] if evaluation is None else [StructField(EVALUATION_COL, BinaryType(), True)]
+    schema = StructType(
+        labelled_fields(raw_schema)
+        + [StructField(SQ_DIST_COL, DoubleType(), True), *gathered, StructField(REASON_COL, StringType(), True)]
+    )
+    keep_as = rows.schema[FEATURES_COL].metadata.get(FEATURES_SOURCE)
+    return rows.mapInArrow(
+        lambda batches: label_batches(batches, model, device_col, FEATURES_COL, REASON_COL, dim, keep_as, evaluation),
+        schema,
+    )

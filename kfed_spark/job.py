@@ -1,0 +1,412 @@
+"""The k-FED job's stages: check the input, fit or apply a model, write a run, publish it.
+
+run() is the job: validate --> fit (kfed_spark.fitting) --> labels (one pass over the input, which
+also gathers the evaluation and the report's sample) --> small tables --> report --> publish (one
+commit of the attempt's runs row; kfed_spark.attempts). Delta I/O is in kfed_spark.io.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib.metadata import version
+
+import numpy as np
+import pyarrow as pa
+from pyspark.sql import DataFrame, Observation, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType, DoubleType, FloatType, IntegerType, LongType, StringType, StructField, StructType
+
+from kfed_spark import faults, report
+from kfed_spark.attempts import RUNS_SCHEMA, Attempt, Ledger, new_attempt_id
+from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
+from kfed_spark.errors import ConfigError, InputError, KFedError, describe
+from kfed_spark.evaluation import Evaluation, EvaluationSpec
+from kfed_spark.fitting import (
+    LOCAL_CENTER_COLUMNS,
+    LOCAL_CENTER_FIELDS,
+    REASON_COL,
+    Clustering,
+    LocalCenters,
+    StageTimer,
+    extend_with_new_devices,
+    fit_checked,
+    label_rows,
+    labelled_fields,
+    validated,
+)
+from kfed_spark.io import TABLES, OutputTables, absolute, read_input
+from kfed_spark.kernels import LabelModel, ServerClustering
+from kfed_spark.metrics import ari_of
+from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
+
+log = logging.getLogger("kfed_spark")
+
+RUN_ID_FIELD = StructField("run_id", StringType(), False)
+
+CENTERS_FIELDS = [
+    StructField("cluster_id", IntegerType(), False),
+    StructField("center", ArrayType(DoubleType(), False), False),
+    StructField("n_points", LongType(), False),
+    StructField("n_devices", LongType(), False),
+]
+
+CENTERS_COLUMNS = [f.name for f in CENTERS_FIELDS]
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports; the same figures are in its row of the runs table."""
+
+    run_id: str
+    attempt_id: str
+    parent_run_id: str | None
+    n_input: int
+    n_labelled: int
+    n_quarantined: int
+    n_devices: int
+    n_local_centers: int
+    dim: int
+    cost: float
+    ari: float | None
+    truth_cost: float | None
+    output_path: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) -> RunResult:
+    """Cluster the configured input with k-FED as a new attempt of the run id, and publish it.
+
+    Everything that can be checked is checked before anything is written. Then the attempt is
+    recorded as running, its rows are appended to every table, and one commit of its `runs` row
+    publishes it (kfed_spark.attempts). A failure, or SIGTERM, records it as failed instead.
+
+    With parent_run_id, nothing is fitted: the input is labelled with that published run's model
+    (its local and global centers), devices it has not seen are clustered locally and joined to
+    the nearest global centers, and the new run records its parent.
+    """
+    run_id = resolve_run_id(cfg)
+    if parent_run_id == run_id:
+        raise ConfigError(f"run {run_id!r} cannot take its own model: give the new run another run_id")
+    started_at = datetime.now(timezone.utc)
+    timer = StageTimer()
+    tables = OutputTables(spark, cfg.output)
+    with timer.stage("validate"):
+        raw = read_input(spark, cfg.input)
+        parent = None if parent_run_id is None else stored_model(tables, parent_run_id)
+        checked, dim = validated(raw, cfg, None if parent is None else parent.dim)
+        check_device_ids(checked, cfg.input.device_col)
+        faults.point("checked")
+        schemas = output_schemas(raw.schema, cfg.input.device_col)
+        tables.prepare(schemas)
+        faults.point("created")
+    ledger = Ledger(tables)
+    row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
+    attempt = ledger.begin(row)
+    try:
+        faults.point("claimed")
+        if parent is None:
+            clustering = fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer)
+        else:
+            clustering = apply_model(checked, dim, cfg, parent, timer)
+        if cfg.on_bad_rows == "fail":
+            refuse_bad_rows(label_rows(clustering.checked, clustering.model, raw.schema, cfg.input.device_col, dim))
+        with timer.stage("labels"):
+            counted, labelled = write_labels(tables, attempt, cfg, raw.schema, clustering)
+        with timer.stage("other_tables"):
+            write_other_tables(tables, attempt, schemas, clustering, labelled, counted.n_quarantined)
+        result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
+        row.update(result_columns(result))
+        if cfg.report:
+            with timer.stage("report"):
+                tables.write_report(run_id, attempt.attempt_id, run_report(row, cfg, clustering, counted.evaluation))
+            faults.point("report")
+        row.update(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
+        faults.point("before_publish")
+        ledger.publish(attempt, row)
+    except BaseException as exc:
+        ledger.fail({**row, "timings": dict(timer.seconds)}, describe(exc) or f"{type(exc).__name__}: {exc}")
+        raise
+    faults.point("published")
+    ledger.supersede_others(attempt)
+    log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, result.n_labelled, result.n_quarantined,
+             result.cost)
+    return result
+
+
+def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructType]:
+    """The schema of every output table for an input of this schema; each ends with (run_id, attempt_id)."""
+    device = StructField("device_id", raw_schema[device_col].dataType, False)
+    tagged = [RUN_ID_FIELD, StructField("attempt_id", StringType(), False)]
+    return {
+        "labels": StructType(labelled_fields(raw_schema) + tagged),
+        "centers": StructType(CENTERS_FIELDS + tagged),
+        "local_centers": StructType([device, *LOCAL_CENTER_FIELDS, StructField("cluster_id", IntegerType(), False),
+                                     *tagged]),
+        "quarantine": StructType(list(raw_schema.fields) + [StructField("reason", StringType(), False), *tagged]),
+        "runs": RUNS_SCHEMA,
+    }
+
+
+def check_device_ids(checked: DataFrame, device_col: str) -> None:
+    """Refuse device ids that are NaN (a floating-point device column) or null in every row."""
+    device = F.col(device_col)
+    if isinstance(checked.schema[device_col].dataType, (DoubleType, FloatType)):
+        n_nan = checked.filter(F.isnan(device)).count()
+        if n_nan:
+            raise InputError(f"device column {device_col!r} is NaN in {n_nan} rows; device ids must be strings or "
+                             "whole numbers")
+    if checked.filter(device.isNotNull()).isEmpty():
+        raise InputError(f"the device column {device_col!r} is null in every row")
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """A published run's model as its tables hold it: global centers, local centers and their clusters."""
+
+    centers: np.ndarray
+    local: pa.Table
+    assignment: np.ndarray
+
+    @property
+    def dim(self) -> int:
+        return self.centers.shape[1]
+
+
+def stored_model(tables: OutputTables, run_id: str) -> StoredModel:
+    """The model of a published run, or a one-line error if the location has no published run of that id."""
+    if not tables.check_log("runs") or not tables.check_log("centers"):
+        raise KFedError(f"no published run {run_id!r} under {tables.root}")
+    this_run = F.col("run_id") == run_id
+    centers_rows = tables.published("centers").filter(this_run).orderBy("cluster_id").toArrow()
+    if centers_rows.num_rows == 0:
+        raise KFedError(f"no published run {run_id!r} under {tables.root}")
+    stored = tables.published("local_centers").filter(this_run).select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
+    return StoredModel(
+        np.array(centers_rows.column("center").to_pylist(), dtype=np.float64),
+        stored.select(LOCAL_CENTER_COLUMNS),
+        stored.column("cluster_id").to_numpy(),
+    )
+
+
+def apply_model(checked: DataFrame, dim: int, cfg: KFedConfig, parent: StoredModel, timer: StageTimer) -> Clustering:
+    """A published run's model, extended by the input's devices that it has not seen."""
+    valid = checked.filter(F.col(REASON_COL).isNull())
+    with timer.stage("local_step"):
+        local, assignment = extend_with_new_devices(
+            valid, cfg, dim, LocalCenters.from_arrow(parent.local, dim), parent.assignment, parent.centers
+        )
+    server = ServerClustering(parent.centers, assignment, seed_device=None, refine_iterations=0)
+    model = LabelModel.build(local.devices, local.ids, local.centers, assignment, parent.centers, cfg.label_mode)
+    return Clustering(checked, dim, local, server, model)
+
+
+@dataclass(frozen=True)
+class LabelledRows:
+    """What the labelling pass counted and gathered while it wrote the labels."""
+
+    n_input: int
+    n_labelled: int
+    n_quarantined: int
+    cost: float
+    evaluation: Evaluation
+
+
+def write_labels(
+    tables: OutputTables, attempt: Attempt, cfg: KFedConfig, raw_schema: StructType, clustering: Clustering
+) -> tuple[LabelledRows, DataFrame]:
+    """Append the attempt's labelled rows: the one pass over the input after the local step.
+
+    Observations count the rows going into the labelling function and coming out of it (they must
+    agree: no row lost), and collect what each partition gathered for the evaluation and the report
+    (kfed_spark.evaluation). Returns those figures and the labelled rows, for the quarantine.
+    """
+    spec = EvaluationSpec.of(
+        cfg.input.truth_col, report.SILHOUETTE_SAMPLE_ROWS if cfg.report else 0, int(clustering.local.counts.sum()),
+        cfg.seed,
+    )
+    read, labelled_out = Observation("kfed_input_rows"), Observation("kfed_labelled_rows")
+    rows_in = clustering.checked.observe(read, F.count(F.lit(1)).alias("rows"))
+    labelled = label_rows(rows_in, clustering.model, raw_schema, cfg.input.device_col, clustering.dim, spec)
+    labels = (
+        labelled.observe(
+            labelled_out,
+            F.count(F.lit(1)).alias("rows"),
+            F.count(REASON_COL).alias("bad"),
+            F.sum(SQ_DIST_COL).alias("cost"),
+            F.collect_list(EVALUATION_COL).alias("evaluation"),
+        )
+        .filter(F.col(REASON_COL).isNull())
+        .select(*[F.col(f.name) for f in labelled_fields(raw_schema)], *attempt_columns(attempt))
+    )
+    tables.append({"labels": labels}, attempt.run_id, attempt.attempt_id)
+    faults.point("labels")
+    n_input, out = int(read.get["rows"]), labelled_out.get
+    n_quarantined = int(out["bad"])
+    if n_input != int(out["rows"]):
+        raise KFedError(f"row accounting failed: {n_input} input rows but {out['rows']} came out of labelling")
+    counted = LabelledRows(
+        n_input, n_input - n_quarantined, n_quarantined, float(out["cost"] or 0.0),
+        Evaluation.merge(out["evaluation"], report.SILHOUETTE_SAMPLE_ROWS, clustering.dim),
+    )
+    return counted, labelled
+
+
+def write_other_tables(
+    tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], clustering: Clustering,
+    labelled: DataFrame, n_quarantined: int,
+) -> None:
+    """Append the attempt's local centers and global centers, and its quarantined rows if it has any."""
+    spark, local, server = labelled.sparkSession, clustering.local, clustering.server
+    tag = attempt_columns(attempt)
+    local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
+    frames = {
+        "local_centers": conform(spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2])
+        .select("*", *tag),
+        "centers": centers_frame(spark, server, local).select(*CENTERS_COLUMNS, *tag),
+    }
+    if n_quarantined:  # a second labelling pass, only for dirty inputs
+        frames["quarantine"] = (
+            labelled.filter(F.col(REASON_COL).isNotNull())
+            .withColumnRenamed(REASON_COL, "reason")
+            .select(*schemas["quarantine"].names[:-2], *tag)
+        )
+    tables.append(frames, attempt.run_id, attempt.attempt_id)
+    faults.point("tables")
+
+
+def run_result(
+    attempt: Attempt, parent_run_id: str | None, tables: OutputTables, clustering: Clustering, counted: LabelledRows,
+    timer: StageTimer,
+) -> RunResult:
+    evaluation = counted.evaluation
+    return RunResult(
+        run_id=attempt.run_id,
+        attempt_id=attempt.attempt_id,
+        parent_run_id=parent_run_id,
+        n_input=counted.n_input,
+        n_labelled=counted.n_labelled,
+        n_quarantined=counted.n_quarantined,
+        n_devices=len(np.unique(clustering.local.devices)),
+        n_local_centers=len(clustering.local.counts),
+        dim=clustering.dim,
+        cost=counted.cost,
+        ari=None if evaluation.cells is None else ari_of(evaluation.cells),
+        truth_cost=evaluation.truth_cost,
+        output_path=tables.root,
+        timings=timer.seconds,
+    )
+
+
+def attempt_columns(attempt: Attempt) -> list:
+    """The (run_id, attempt_id) columns every output row ends with."""
+    return [F.lit(attempt.run_id).alias("run_id"), F.lit(attempt.attempt_id).alias("attempt_id")]
+
+
+def refuse_bad_rows(labelled: DataFrame) -> None:
+    """on_bad_rows: fail. Count the bad rows by reason (one more pass) and stop before writing."""
+    by_reason = labelled.filter(F.col(REASON_COL).isNotNull()).groupBy(REASON_COL).count().collect()
+    if by_reason:
+        counts = sorted(((row[REASON_COL], row["count"]) for row in by_reason), key=lambda rc: -rc[1])
+        total = sum(count for _, count in counts)
+        raise InputError(
+            f"{total} bad input rows ({', '.join(f'{reason}: {count}' for reason, count in counts)}) "
+            "and on_bad_rows is 'fail'; nothing of this run was published"
+        )
+
+
+def conform(df: DataFrame, fields: list[StructField]) -> DataFrame:
+    """df's columns in the order of `fields`, cast where the type differs (an Arrow table built on the
+    driver holds int64 where a table holds int; nullability is left as it is)."""
+    return df.select(*[
+        F.col(f.name) if df.schema[f.name].dataType.simpleString() == f.dataType.simpleString()
+        else F.col(f.name).cast(f.dataType)
+        for f in fields
+    ])
+
+
+def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCenters) -> DataFrame:
+    k = len(server.centers)
+    n_points = np.bincount(server.assignment, weights=local.counts, minlength=k).astype(np.int64)
+    device_index = np.unique(local.devices, return_inverse=True)[1]
+    cluster_device_pairs = np.unique(np.stack([server.assignment, device_index]), axis=1)
+    n_devices = np.bincount(cluster_device_pairs[0], minlength=k)
+    rows = [(c, server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
+    return spark.createDataFrame(rows, StructType(CENTERS_FIELDS))
+
+
+def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, evaluation: Evaluation) -> dict[str, bytes]:
+    """report.json and report.html of a run, from what the driver holds and the labelling pass gathered."""
+    local, server = clustering.local, clustering.server
+    facts = report.RunFacts(
+        summary={**summary, "truth_col": cfg.input.truth_col, "output": absolute(str(cfg.output.path))},
+        local_devices=local.devices, local_centers=local.centers, local_counts=local.counts,
+        assignment=server.assignment, global_centers=server.centers,
+        sample_x=evaluation.sample_x, sample_labels=evaluation.sample_labels, truth_cells=evaluation.cells,
+    )
+    content = report.build(facts)
+    return {
+        "report.json": report.to_json(content).encode(),
+        "report.html": report.render_html(content, report.figures(content, facts)).encode(),
+    }
+
+
+def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: str | None,
+                started_at: datetime) -> dict:
+    """The attempt's row of the runs table with its settings; result_columns() adds the figures."""
+    inp = cfg.input
+    return {
+        "run_id": run_id,
+        "attempt_id": attempt_id,
+        "parent_run_id": parent_run_id,
+        "started_at": started_at,
+        "finished_at": None,
+        "input": inp.table or f"{inp.format}:{inp.path}",
+        "k": cfg.k,
+        "k_per_device": str(cfg.k_per_device),
+        "seed": cfg.seed,
+        "seeding": cfg.seeding,
+        "server_refine": cfg.server_refine,
+        "label_mode": cfg.label_mode,
+        **{name: None for name in RESULT_COLUMNS},
+        "timings": {},
+        "config": json.dumps(as_dict(cfg), sort_keys=True),
+        "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},
+    }
+
+
+RESULT_COLUMNS = ("dim", "n_input", "n_labelled", "n_quarantined", "n_devices", "n_local_centers", "cost", "ari",
+                  "truth_cost")
+
+
+def result_columns(result: RunResult) -> dict:
+    return {name: getattr(result, name) for name in RESULT_COLUMNS}
+
+
+def plan(spark: SparkSession, cfg: KFedConfig) -> str:
+    """What `run` would do, checked against the input's schema and the output tables; writes nothing."""
+    raw = read_input(spark, cfg.input)
+    tables = OutputTables(spark, cfg.output)
+    _, dim = validated(raw, cfg)
+    existing = []
+    for name, schema in output_schemas(raw.schema, cfg.input.device_col).items():
+        if tables.check_log(name):
+            tables.check_schema(name, schema)
+            existing.append(name)
+    return "\n".join(
+        [
+            f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
+            f"  columns: {', '.join(f'{f.name} {f.dataType.simpleString()}' for f in raw.schema.fields)}",
+            f"  device column: {cfg.input.device_col}; features: {cfg.input.features_col} (dimension {dim})",
+            f"k-FED: k = {cfg.k}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
+            f"seeding = {cfg.seeding}, server_refine = {cfg.server_refine}, label_mode = {cfg.label_mode}, "
+            f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
+            f"run id: {cfg.run_id or '(from the start time)'}",
+            f"output: {tables.root}/{{{','.join(TABLES)}}}"
+            + (f" (existing: {', '.join(existing)})" if existing else " (new)")
+            + (f"; published views in {cfg.output.database}.*" if cfg.output.database else ""),
+            "dry run: nothing was written",
+        ]
+    )

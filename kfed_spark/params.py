@@ -1,0 +1,111 @@
+"""The clustering's parameters: one table of names, defaults, types, constraints and meanings.
+
+Each field of AlgorithmParams is one row. The YAML config is an AlgorithmParams (KFedConfig
+extends it), the estimator declares one Param per field (camelCase: k_per_device -> kPerDevice)
+with this default and meaning, and the kernels take their default arguments from DEFAULTS.
+Validation is the constraints below, checked in one place (AlgorithmParams.check).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+from kfed_spark.errors import ConfigError
+
+Constraint = Callable[[object], str | None]
+"""Checks a value: None if it is allowed, else what is required ('an integer >= 1')."""
+
+SEEDINGS = ("farthest", "robust", "kmeanspp")
+SERVER_REFINES = ("lloyd", "none")
+LABEL_MODES = ("induced", "nearest")
+
+
+def integer(minimum: int) -> Constraint:
+    def check(value: object) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            return f"an integer >= {minimum}"
+        return None
+
+    return check
+
+
+def finite_number(value: object) -> str | None:
+    """A finite number >= 0 (YAML reads .inf and .nan as floats)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return "a finite number >= 0"
+    return None
+
+
+def one_of(*choices: str) -> Constraint:
+    def check(value: object) -> str | None:
+        return None if value in choices else f"one of {', '.join(choices)}"
+
+    return check
+
+
+def count_source(value: object) -> str | None:
+    """k_per_device: a number, 'auto', or the name of a column or side table."""
+    if isinstance(value, str):
+        return None if value.strip() else "an integer, 'auto', or the name of a column or table"
+    return integer(1)(value)
+
+
+def param(default: object, constraint: Constraint, doc: str):
+    return field(default=default, metadata={"constraint": constraint, "doc": doc})
+
+
+@dataclass(frozen=True)
+class AlgorithmParams:
+    """What decides the clustering; every other setting says where rows come from and go."""
+
+    k: int = param(8, integer(1), "number of global clusters")
+    k_per_device: int | str = param(
+        2, count_source,
+        "local clusters per device: an integer in [1, k], 'auto' (each device estimates its own), "
+        "or a column of the input or a side table (device column + k)",
+    )
+    k_per_device_max: int = param(16, integer(1), "with k_per_device 'auto': the largest k a device may estimate")
+    seeding: str = param(
+        "robust", one_of(*SEEDINGS),
+        "server seeding: farthest (the paper's farthest-point), robust (farthest-point over the local centers "
+        "backed by enough rows) or kmeanspp (count-weighted k-means++, best of several)",
+    )
+    robust_min_size: float = param(
+        0.25, finite_number, "with seeding robust: the share of the median local center's rows a center needs "
+        "to take part in seeding and refinement",
+    )
+    server_refine: str = param(
+        "lloyd", one_of(*SERVER_REFINES), "lloyd (count-weighted Lloyd over the local centers) or none (the paper)"
+    )
+    label_mode: str = param(
+        "induced", one_of(*LABEL_MODES),
+        "induced (a row takes the global cluster of its device's nearest local center) or nearest (the nearest "
+        "global center)",
+    )
+    max_iter: int = param(100, integer(1), "most Lloyd rounds, on each device and on the server")
+    tol: float = param(
+        1e-8, finite_number, "Lloyd stops when the centers move less than tol times the data's total variance"
+    )
+    max_rows_per_device: int = param(
+        100_000, integer(1), "a larger device is clustered on a deterministic sample of this many rows"
+    )
+    seed: int = param(0, integer(0), "seed of every random draw, with the device id")
+
+    def check(self) -> None:
+        """Raise ConfigError for the first value its constraint refuses, or a k_per_device above k."""
+        for spec in fields(AlgorithmParams):
+            value = getattr(self, spec.name)
+            required = spec.metadata["constraint"](value)
+            if required is not None:
+                raise ConfigError(f"{spec.name} must be {required}, got {value!r}")
+        if not isinstance(self.k_per_device, str) and self.k_per_device > self.k:
+            raise ConfigError(f"k_per_device ({self.k_per_device}) must not exceed k ({self.k})")
+
+    def algorithm(self) -> AlgorithmParams:
+        """These parameters alone (from a KFedConfig, which extends them)."""
+        return AlgorithmParams(**{spec.name: getattr(self, spec.name) for spec in fields(AlgorithmParams)})
+
+
+DEFAULTS = AlgorithmParams()

@@ -1,0 +1,52 @@
+"""One table of the clustering's parameters: the config, the estimator and the kernels read it."""
+
+import inspect
+from dataclasses import fields
+
+import pytest
+
+from kfed_spark import kernels
+from kfed_spark.config import KFedConfig, load_config
+from kfed_spark.errors import ConfigError
+from kfed_spark.estimator import KFed, KFedModel
+from kfed_spark.params import DEFAULTS, AlgorithmParams
+
+
+def camel(name):
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def test_config_and_estimator_defaults_are_the_tables():
+    config, estimator = KFedConfig(), KFed()
+    for spec in fields(AlgorithmParams):
+        assert getattr(config, spec.name) == spec.default, spec.name
+        assert estimator.getOrDefault(camel(spec.name)) == spec.default, spec.name
+        assert spec.metadata["doc"] in estimator.getParam(camel(spec.name)).doc
+
+
+def test_kernels_defaults_are_the_tables():
+    for function in (kernels.server_step, kernels.federated_kmeans, kernels.local_step):
+        for name, parameter in inspect.signature(function).parameters.items():
+            name = {"refine": "server_refine"}.get(name, name)
+            if parameter.default is not inspect.Parameter.empty and hasattr(DEFAULTS, name):
+                assert parameter.default == getattr(DEFAULTS, name), (function.__name__, name)
+
+
+def test_every_param_has_a_keyword_a_getter_and_a_setter():
+    kfed = KFed(robustMinSize=0.5, kPerDeviceMax=4)
+    assert (kfed.getRobustMinSize(), kfed.getKPerDeviceMax()) == (0.5, 4)
+    assert kfed.setK(5).setKPerDevice("auto").getK() == 5
+    assert kfed._config().robust_min_size == 0.5 and kfed._config().k_per_device == "auto"
+    signature = inspect.signature(KFed.__init__)
+    assert signature.parameters["k"].default == DEFAULTS.k and signature.parameters["deviceCol"].default == "device_id"
+    assert KFedModel().getLabelMode() == DEFAULTS.label_mode
+
+
+def test_the_estimator_refuses_what_the_config_refuses():
+    with pytest.raises(TypeError, match="no param 'colour'"):
+        KFed(colour="red")
+    with pytest.raises(ConfigError, match="robust_min_size must be a finite number >= 0, got -1.0"):
+        KFed(robustMinSize=-1.0)._config()
+    with pytest.raises(ConfigError, match="robust_min_size must be a finite number >= 0, got -1"):
+        load_config(None, ["robust_min_size=-1", "input.path=x", "output.path=y"])
