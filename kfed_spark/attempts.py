@@ -134,9 +134,13 @@ class Ledger:
         found = self.tables.read("runs").filter(attempt_filter(run_id, attempt_id)).collect()
         return found[0].asDict() if found else None
 
-    def write(self, row: dict[str, Any], fence: int | None = None) -> None:
+    def write(self, row: dict[str, Any], fence: int | None = None, new: bool = False) -> None:
+        """Replace the attempt's row (fenced: see OutputTables.write_attempt_row), or add it if `new`."""
         frame = self.spark.createDataFrame([tuple(row[f.name] for f in RUNS_SCHEMA.fields)], RUNS_SCHEMA)
-        self.tables.write_attempt_row(frame, row["run_id"], row["attempt_id"], fence)
+        if new:
+            self.tables.add_attempt_row(frame, row["run_id"], row["attempt_id"])
+        else:
+            self.tables.write_attempt_row(frame, row["run_id"], row["attempt_id"], fence)
 
     def begin(self, row: dict[str, Any]) -> Attempt:
         """Tidy up, then record a new attempt of row['run_id'] as running. `row` holds the run's
@@ -146,7 +150,7 @@ class Ledger:
         attempt = Attempt(run_id, row["attempt_id"], committed_publish_seqs(rows)[run_id] + 1)
         row.update(status=RUNNING, publish_seq=attempt.publish_seq, error=None, rows_removed=False,
                    host=socket.gethostname(), pid=os.getpid())
-        self.write(row)
+        self.write(row, new=True)  # attempt ids are unique: no row to replace
         log.info("run %s: attempt %s started (publish number %d)", run_id, attempt.attempt_id, attempt.publish_seq)
         return attempt
 

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.fs as pafs
@@ -333,19 +334,18 @@ class OutputTables:
         writer.options(**options).save(self.path(name))
 
     def append(self, frames: dict[str, DataFrame], run_id: str, attempt_id: str) -> None:
-        """Append an attempt's rows to several tables, each one commit, the commits made concurrently
-        (a commit is mostly fixed Delta overhead). The rows stay invisible until the attempt is published."""
+        """Append an attempt's rows to several tables, each one commit, the commits made concurrently.
+        The rows stay invisible until the attempt is published."""
 
-        def write(name: str, df: DataFrame) -> None:
-            self._write(df, name, "append", f"kfed-spark run {run_id} attempt {attempt_id}")
+        def write(name: str) -> None:
+            self._write(frames[name], name, "append", f"kfed-spark run {run_id} attempt {attempt_id}")
             log.info("wrote %s for run %s (attempt %s)", self.path(name), run_id, attempt_id)
 
-        if len(frames) == 1:
-            write(*next(iter(frames.items())))
-            return
-        with ThreadPoolExecutor(max_workers=len(frames)) as pool:
-            for future in [pool.submit(write, name, df) for name, df in frames.items()]:
-                future.result()
+        _concurrently(write, list(frames))
+
+    def add_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str) -> None:
+        """Append a new attempt's first row to `runs`: a plain append, about a third of a replacing commit."""
+        self._write(row, "runs", "append", f"kfed-spark run {run_id} attempt {attempt_id}")
 
     def write_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str, fence: int | None = None) -> None:
         """Replace an attempt's row of `runs` in one commit.
@@ -370,8 +370,10 @@ class OutputTables:
     def delete_attempt(self, run_id: str, attempt_id: str) -> None:
         """Remove an unpublished attempt's rows from every data table (metadata-only: whole
         partitions) and its report files."""
-        for name in DATA_TABLES:
-            self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}")
+        _concurrently(
+            lambda name: self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}"),
+            list(DATA_TABLES),
+        )
         located = _filesystem(self.report_dir(run_id, attempt_id))
         if located is not None:
             filesystem, folder = located
@@ -441,3 +443,14 @@ class OutputTables:
         for view, query in views.items():
             self.spark.sql(f"CREATE OR REPLACE TEMPORARY VIEW {view} AS {query}")
         return list(views)
+
+
+def _concurrently(commit: Callable[[str], object], names: list[str]) -> None:
+    """commit(name) for every table name, in threads: a Delta commit is mostly fixed overhead (about a
+    second in local mode), so commits to different tables overlap well. The first failure is raised."""
+    if len(names) == 1:
+        commit(names[0])
+        return
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        for future in [pool.submit(commit, name) for name in names]:
+            future.result()

@@ -12,7 +12,8 @@ import pytest
 
 from kfed_spark.bench.datasets import default_data_dir
 
-from kfed_spark.config import OutputConfig
+from kfed_spark.config import InputConfig, KFedConfig, OutputConfig
+from kfed_spark.fitting import fit, label_rows
 from kfed_spark.io import OutputTables
 
 
@@ -24,6 +25,51 @@ def published(spark, out, name):
 def runs_of(spark, out):
     """Every attempt recorded under an output location, oldest first."""
     return OutputTables(spark, OutputConfig(path=str(out))).read("runs").orderBy("started_at").collect()
+
+
+MIXTURE = dict(k=12, k_per_device=3, devices=60, points_per_device=100, dim=8, seed=3)
+"""The tests' separated mixture (conftest's mixture_path): 12 clusters, 60 devices x 100 rows, 3 per device, d = 8."""
+
+
+def run_cli(config: Path, *overrides: str) -> int:
+    """`kfed-spark run --config CONFIG --set ...` in this process."""
+    from kfed_spark.cli import main
+
+    args = ["run", "--config", str(config)]
+    for item in overrides:
+        args += ["--set", item]
+    return main(args)
+
+
+def labels_of(spark, out, run_id):
+    return published(spark, out, "labels").filter(f"run_id = '{run_id}'")
+
+
+def mixture_estimator():
+    """The estimator with the settings of the config fixture's run over the mixture."""
+    from kfed_spark.estimator import KFed
+
+    return KFed(k=MIXTURE["k"], kPerDevice=MIXTURE["k_per_device"], seed=11)
+
+
+def by_row(df, *columns):
+    return df.select("row_id", *columns).orderBy("row_id").toPandas().set_index("row_id")
+
+
+def write_empty_config(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("{}\n")
+    return path
+
+
+def fitted_labels(raw, input_settings=None, **settings):
+    """Fit k-FED to a DataFrame and label its rows through the fit layer alone (no table written):
+    the Clustering and a pandas frame of every labelled row's columns, cluster_id and local_cluster_id."""
+    cfg = KFedConfig(input=InputConfig(**(input_settings or {})), **settings)
+    cfg.check()
+    clustering = fit(raw, cfg)
+    labelled = label_rows(clustering.checked, clustering.model, raw.schema, cfg.input.device_col, clustering.dim)
+    return clustering, labelled.filter("__kfed_reason IS NULL").drop("__kfed_sq_dist", "__kfed_reason").toPandas()
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ import pytest
 from kfed_spark.packaging import build
 from kfed_spark.session import delta_package
 
-from conftest import MIXTURE
-from test_job import ROOT
+from helpers import MIXTURE, ROOT
+
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from kfed_spark.bench.benchmark import benchmark, write_report
 from kfed_spark.bench.synthetic import write_mixture
 
 
+@pytest.mark.integration  # the benchmark end to end: the job, MLlib with a Delta write, the floor, scikit-learn
 def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     data = tmp_path / "input"
     write_mixture(data, k=6, k_per_device=2, devices=30, points_per_device=40, dim=3, seed=2)

@@ -12,9 +12,7 @@ import pytest
 
 from kfed_spark.session import delta_package
 
-from conftest import MIXTURE
-from helpers import bare_environment
-from test_job import ROOT, labels_of, run_cli
+from helpers import MIXTURE, ROOT, bare_environment, labels_of, run_cli
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

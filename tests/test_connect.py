@@ -16,10 +16,19 @@ import pytest
 
 from kfed_spark.session import delta_package
 
-from conftest import MIXTURE, TEST_SPARK_CONF
-from helpers import free_port, report_folder, servers, spark_home, wait_for_port
-from test_estimator import by_row, estimator
-from test_job import labels_of, run_cli
+from conftest import TEST_SPARK_CONF
+from helpers import (
+    MIXTURE,
+    by_row,
+    free_port,
+    labels_of,
+    mixture_estimator,
+    report_folder,
+    run_cli,
+    servers,
+    spark_home,
+    wait_for_port,
+)
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
@@ -112,7 +121,7 @@ print(json.dumps(predictions["prediction"].tolist()))
 
 
 def test_estimator_over_connect_fits_transforms_saves_and_loads(spark, tmp_path, mixture_path, connect_url):
-    expected = by_row(estimator().fit(spark.read.parquet(mixture_path)).transform(spark.read.parquet(mixture_path)),
+    expected = by_row(mixture_estimator().fit(spark.read.parquet(mixture_path)).transform(spark.read.parquet(mixture_path)),
                       "prediction")["prediction"].tolist()
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYSPARK")}
     result = subprocess.run(

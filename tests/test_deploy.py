@@ -11,8 +11,7 @@ import pytest
 from kfed_spark.cli import main
 from kfed_spark.session import delta_package
 
-from conftest import MIXTURE
-from helpers import bare_environment, published
+from helpers import MIXTURE, bare_environment, published
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

@@ -1,5 +1,6 @@
 """Per-device k: a fixed number, a column, a side table, or each device's own estimate."""
 
+import numpy as np
 import pytest
 from pyspark.sql import functions as F
 
@@ -7,7 +8,7 @@ from kfed_spark.cli import main
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.bench.synthetic import write_mixture
 
-from helpers import published
+from helpers import fitted_labels
 
 VARIED = dict(k=12, k_per_device=(1, 5), devices=40, points_per_device=150, dim=16, seed=5)
 
@@ -28,26 +29,25 @@ def run_varied(varied_path, out, k_per_device, *extra):
     return main(["run", "--config", str(config), *[arg for item in settings for arg in ("--set", item)]])
 
 
-def local_counts_and_ari(spark, out):
-    local = published(spark, out, "local_centers").groupBy("device_id").count()
-    labels = published(spark, out, "labels")
-    held = labels.select("device_id", "clusters_held").distinct()
-    found = {row.device_id: (row["count"], row.clusters_held) for row in local.join(held, "device_id").collect()}
-    cells = labels.groupBy("true_cluster", "cluster_id").count().toPandas()
-    return found, adjusted_rand_index(cells.true_cluster, cells.cluster_id, cells["count"])
+def local_counts_and_ari(spark, varied_path, k_per_device, **settings):
+    """Through the fit layer: {device: (its local centers, the clusters it holds)} and the labels' ARI."""
+    clustering, labels = fitted_labels(spark.read.parquet(varied_path), k=VARIED["k"], k_per_device=k_per_device,
+                                       **settings)
+    devices, counts = np.unique(clustering.local.devices, return_counts=True)
+    held = labels.groupby("device_id")["clusters_held"].first()
+    found = {device: (count, held[device]) for device, count in zip(devices, counts)}
+    return found, adjusted_rand_index(labels.true_cluster, labels.cluster_id)
 
 
-def test_auto_estimates_how_many_clusters_each_device_holds(spark, varied_path, tmp_path):
-    assert run_varied(varied_path, tmp_path / "out", "auto", "k_per_device_max=8") == 0
-    found, ari = local_counts_and_ari(spark, tmp_path / "out")
+def test_auto_estimates_how_many_clusters_each_device_holds(spark, varied_path):
+    found, ari = local_counts_and_ari(spark, varied_path, "auto", k_per_device_max=8)
     assert len(found) == VARIED["devices"]
     assert all(estimated == held for estimated, held in found.values()), found
     assert ari >= 0.95
 
 
-def test_a_column_of_the_input_gives_each_devices_k(spark, varied_path, tmp_path):
-    assert run_varied(varied_path, tmp_path / "out", "clusters_held") == 0
-    found, ari = local_counts_and_ari(spark, tmp_path / "out")
+def test_a_column_of_the_input_gives_each_devices_k(spark, varied_path):
+    found, ari = local_counts_and_ari(spark, varied_path, "clusters_held")
     assert all(used == held for used, held in found.values()), found
     assert ari >= 0.95
 
@@ -56,8 +56,7 @@ def test_a_side_table_gives_each_devices_k(spark, varied_path, tmp_path):
     side = str(tmp_path / "device_k")
     (spark.read.parquet(varied_path).groupBy("device_id").agg(F.max("clusters_held").alias("k"))
      .write.format("delta").save(side))
-    assert run_varied(varied_path, tmp_path / "out", side) == 0
-    found, _ = local_counts_and_ari(spark, tmp_path / "out")
+    found, _ = local_counts_and_ari(spark, varied_path, side)
     assert all(used == held for used, held in found.values()), found
 
 

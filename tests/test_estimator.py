@@ -11,19 +11,9 @@ from kfed_spark.cli import main
 from kfed_spark.estimator import KFed, KFedModel
 from kfed_spark.metrics import adjusted_rand_index
 
-from conftest import MIXTURE
-from helpers import published, runs_of
-from test_job import labels_of, run_cli
+from helpers import MIXTURE, by_row, labels_of, mixture_estimator, published, run_cli, runs_of
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
-
-
-def estimator():
-    return KFed(k=MIXTURE["k"], kPerDevice=MIXTURE["k_per_device"], seed=11)
-
-
-def by_row(df, *columns):
-    return df.select("row_id", *columns).orderBy("row_id").toPandas().set_index("row_id")
 
 
 def test_shares_param_names_and_defaults_style_with_mllib_kmeans(spark):
@@ -42,18 +32,18 @@ def test_shares_param_names_and_defaults_style_with_mllib_kmeans(spark):
     assert KFed().getSeed() == int(other.stdout) == 0
 
 
-def test_fit_transform_equals_the_cli_run(spark, config, tmp_path, mixture_path):
-    assert run_cli(config) == 0
+def test_fit_transform_equals_the_cli_run(spark, published_run, mixture_path):
+    _, out = published_run
     rows = spark.read.parquet(mixture_path)
-    model = estimator().fit(rows)
+    model = mixture_estimator().fit(rows)
     got = by_row(model.transform(rows), "prediction", "local_prediction")
-    expected = by_row(labels_of(spark, tmp_path / "out", "first"), "cluster_id", "local_cluster_id")
+    expected = by_row(labels_of(spark, out, "first"), "cluster_id", "local_cluster_id")
     np.testing.assert_array_equal(got.prediction.to_numpy(), expected.cluster_id.to_numpy())
     np.testing.assert_array_equal(got.local_prediction.to_numpy(), expected.local_cluster_id.to_numpy())
 
-    centers = published(spark, tmp_path / "out", "centers").orderBy("cluster_id").toPandas()
+    centers = published(spark, out, "centers").orderBy("cluster_id").toPandas()
     np.testing.assert_allclose(np.stack(model.clusterCenters()), np.stack(centers.center.to_numpy()))
-    run = runs_of(spark, tmp_path / "out")[0]
+    run = runs_of(spark, out)[0]
     assert model.summary.trainingCost == pytest.approx(run.cost, rel=1e-9)
     assert sum(model.summary.clusterSizes) == N_ROWS and model.summary.numDevices == MIXTURE["devices"]
     assert model.localCenters.count() == run.n_local_centers
@@ -65,7 +55,7 @@ def test_new_devices_are_clustered_locally_without_refitting(spark, mixture_path
     pq.write_table(table.filter(seen), tmp_path / "seen.parquet")
     train = spark.read.parquet(str(tmp_path / "seen.parquet"))
     everyone = spark.read.parquet(mixture_path)
-    model = estimator().fit(train)
+    model = mixture_estimator().fit(train)
 
     labelled = by_row(model.transform(everyone), "device_id", "true_cluster", "prediction")
     on_train = by_row(model.transform(train), "prediction")
@@ -74,12 +64,12 @@ def test_new_devices_are_clustered_locally_without_refitting(spark, mixture_path
     fresh = labelled[labelled.device_id >= 45]
     assert len(fresh) == 15 * MIXTURE["points_per_device"] and fresh.prediction.notna().all()
     assert adjusted_rand_index(fresh.true_cluster, fresh.prediction) >= 0.95
-    np.testing.assert_array_equal(np.stack(model.clusterCenters()), np.stack(estimator().fit(train).clusterCenters()))
+    np.testing.assert_array_equal(np.stack(model.clusterCenters()), np.stack(mixture_estimator().fit(train).clusterCenters()))
 
 
 def test_save_load_and_pipeline_round_trip(spark, mixture_path, tmp_path):
     rows = spark.read.parquet(mixture_path)
-    model = estimator().fit(rows)
+    model = mixture_estimator().fit(rows)
     model.write().overwrite().save(str(tmp_path / "model"))
     with pytest.raises(FileExistsError, match="use write\\(\\).overwrite\\(\\).save"):
         model.write().save(str(tmp_path / "model"))
@@ -88,11 +78,11 @@ def test_save_load_and_pipeline_round_trip(spark, mixture_path, tmp_path):
     assert (loaded.getK(), loaded.getKPerDevice(), loaded.uid) == (model.getK(), model.getKPerDevice(), model.uid)
     assert by_row(loaded.transform(rows), "prediction").equals(by_row(model.transform(rows), "prediction"))
 
-    fitted = Pipeline(stages=[estimator()]).fit(rows)
+    fitted = Pipeline(stages=[mixture_estimator()]).fit(rows)
     fitted.write().overwrite().save(str(tmp_path / "pipeline"))
     again = PipelineModel.load(str(tmp_path / "pipeline"))
     assert by_row(again.transform(rows), "prediction").equals(by_row(fitted.transform(rows), "prediction"))
-    estimator().write().overwrite().save(str(tmp_path / "estimator"))
+    mixture_estimator().write().overwrite().save(str(tmp_path / "estimator"))
     assert KFed.load(str(tmp_path / "estimator")).getK() == MIXTURE["k"]
 
 
@@ -141,7 +131,7 @@ def test_assign_labels_new_input_with_a_finished_runs_model(spark, config, tmp_p
     assert same == centers.filter("run_id = 'first'").orderBy("cluster_id").select("center").collect()
 
 
-def test_assign_from_a_missing_run_is_a_clear_error(spark, config, tmp_path, capsys):
-    assert run_cli(config) == 0
+def test_assign_from_a_missing_run_is_a_clear_error(published_run, capsys):
+    config, out = published_run
     assert main(["assign", "--model-run", "nope", "--config", str(config), "--set", "run_id=x"]) == 2
-    assert capsys.readouterr().err.strip() == f"kfed-spark: error: no published run 'nope' under {tmp_path / 'out'}"
+    assert capsys.readouterr().err.strip() == f"kfed-spark: error: no published run 'nope' under {out}"

@@ -12,26 +12,12 @@ from pyspark.ml.functions import array_to_vector
 from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
-from kfed_spark.io import TABLES
+from kfed_spark.config import InputConfig
+from kfed_spark.io import TABLES, read_input
 from kfed_spark.kernels import federated_kmeans
 from kfed_spark.metrics import adjusted_rand_index
 
-from conftest import MIXTURE
-from helpers import published, report_folder, runs_of
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_cli(config: Path, *overrides: str) -> int:
-    args = ["run", "--config", str(config)]
-    for item in overrides:
-        args += ["--set", item]
-    return main(args)
-
-
-def labels_of(spark, out, run_id):
-    return published(spark, out, "labels").filter(F.col("run_id") == run_id)
-
+from helpers import MIXTURE, ROOT, fitted_labels, labels_of, published, report_folder, run_cli, runs_of, write_empty_config
 
 def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_path, mixture_path, capsys):
     assert run_cli(config) == 0
@@ -107,21 +93,19 @@ def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_p
     assert len(sizes) == MIXTURE["k"] and sum(r.n for r in sizes) == n_rows
 
 
-def test_vector_and_column_list_features_give_the_same_clustering(spark, config, tmp_path, mixture_path):
+def test_vector_and_column_list_features_give_the_same_clustering(spark, tmp_path, mixture_path):
+    """Through the fit layer (no table written); the CSV is read by the job's own reader."""
     source = spark.read.parquet(mixture_path)
-    source.withColumn("features", array_to_vector("features")).write.parquet(str(tmp_path / "vectors"))
-    source.select(
-        "row_id", "device_id", "true_cluster", *[F.col("features")[i].alias(f"x{i}") for i in range(MIXTURE["dim"])]
-    ).write.option("header", "true").csv(str(tmp_path / "csv"))
-    assert run_cli(config) == 0
-    assert run_cli(config, f"input.path={tmp_path / 'vectors'}", f"output.path={tmp_path / 'out_vectors'}") == 0
-    columns = "[" + ", ".join(f"x{i}" for i in range(MIXTURE["dim"])) + "]"
-    assert run_cli(config, f"input.path={tmp_path / 'csv'}", "input.format=csv", f"input.features_col={columns}",
-                   f"output.path={tmp_path / 'out_csv'}") == 0
-    expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
-    for out in ("out_vectors", "out_csv"):
-        got = labels_of(spark, tmp_path / out, "first").select("row_id", "cluster_id").orderBy("row_id").collect()
-        assert got == expected, out
+    columns = [f"x{i}" for i in range(MIXTURE["dim"])]
+    source.select("row_id", "device_id", *[F.col("features")[i].alias(c) for i, c in enumerate(columns)]) \
+        .write.option("header", "true").csv(str(tmp_path / "csv"))
+    from_csv = read_input(spark, InputConfig(path=str(tmp_path / "csv"), format="csv"))
+    settings = dict(k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"], seed=11)
+    expected = fitted_labels(source, **settings)[1].set_index("row_id").cluster_id.sort_index()
+    for frame, features in ((source.withColumn("features", array_to_vector("features")), "features"),
+                            (from_csv, columns)):
+        got = fitted_labels(frame, {"features_col": features}, **settings)[1].set_index("row_id").cluster_id
+        assert got.sort_index().equals(expected), features
 
 
 def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(spark, tmp_path):
@@ -169,12 +153,6 @@ def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
     assert labels.set_index("row_id").cluster_id[1] != labels.set_index("row_id").cluster_id[3]
     run = runs_of(spark, tmp_path / "out")[0]
     assert (run.n_input, run.n_labelled, run.n_quarantined) == (11, 5, 6)
-
-
-def write_empty_config(tmp_path):
-    path = tmp_path / "empty.yaml"
-    path.write_text("{}\n")
-    return path
 
 
 @pytest.mark.parametrize(
@@ -226,11 +204,10 @@ def test_spark_submit_job_matches_the_cli(spark, config, tmp_path):
     assert got == expected
 
 
-def test_labels_read_without_spark(spark, config, tmp_path):
+def test_labels_read_without_spark(published_run):
     from deltalake import DeltaTable as RustDeltaTable
 
-    assert run_cli(config) == 0
-    table = RustDeltaTable(str(tmp_path / "out" / "labels")).to_pyarrow_table()
+    table = RustDeltaTable(str(published_run[1] / "labels")).to_pyarrow_table()
     assert table.num_rows == MIXTURE["devices"] * MIXTURE["points_per_device"]
     assert set(table.column("run_id").to_pylist()) == {"first"}
 

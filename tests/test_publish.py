@@ -24,8 +24,7 @@ from kfed_spark.errors import KFedError
 from kfed_spark.faults import FAULT_ENV
 from kfed_spark.io import OutputTables
 
-from conftest import MIXTURE
-from helpers import DUCKDB_PUBLISHED_LABELS, runs_of
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, runs_of
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

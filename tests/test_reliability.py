@@ -13,9 +13,7 @@ from kfed_spark.faults import FAULT_ENV
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.session import delta_package
 
-from conftest import MIXTURE
-from helpers import published, runs_of
-from test_job import ROOT, labels_of, run_cli, write_empty_config
+from helpers import MIXTURE, ROOT, fitted_labels, labels_of, published, run_cli, runs_of, write_empty_config
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 
@@ -81,19 +79,22 @@ def test_a_runs_table_of_the_previous_version_is_refused_before_any_work(spark, 
     assert not (tmp_path / "old" / "labels").exists()
 
 
-def test_partitioning_and_row_order_do_not_change_labels(spark, config, tmp_path, mixture_path):
+def test_partitioning_and_row_order_do_not_change_labels(spark, tmp_path, mixture_path):
+    """Through the fit layer (no table written): other files, other row order, other local-step partitions."""
     table = pq.read_table(mixture_path)
     shuffled = table.take(np.random.default_rng(0).permutation(table.num_rows))
     (tmp_path / "shuffled").mkdir()
     for i, part in enumerate(np.array_split(np.arange(table.num_rows), 5)):
         pq.write_table(shuffled.take(part), tmp_path / "shuffled" / f"part-{i}.parquet")
-    assert run_cli(config) == 0
-    assert run_cli(config, f"input.path={tmp_path / 'shuffled'}", "local_partitions=5",
-                   f"output.path={tmp_path / 'out_shuffled'}") == 0
-    assert run_cli(config, "local_partitions=1", f"output.path={tmp_path / 'out_one'}") == 0  # all devices collide
-    expected = sorted_labels(spark, tmp_path / "out")
-    assert sorted_labels(spark, tmp_path / "out_shuffled") == expected
-    assert sorted_labels(spark, tmp_path / "out_one") == expected
+    settings = dict(k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"], seed=11)
+
+    def labels(path, **more):
+        rows = fitted_labels(spark.read.parquet(str(path)), **settings, **more)[1]
+        return rows.set_index("row_id")[["cluster_id", "local_cluster_id"]].sort_index()
+
+    expected = labels(mixture_path)
+    assert labels(tmp_path / "shuffled", local_partitions=5).equals(expected)
+    assert labels(mixture_path, local_partitions=1).equals(expected)  # all devices in one partition
 
 
 def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_path, capsys, monkeypatch):
@@ -204,12 +205,12 @@ def test_nan_or_all_null_device_ids_are_refused_before_any_work(spark, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
-def test_assign_cannot_name_its_own_run_as_the_model(spark, config, tmp_path, capsys):
-    assert run_cli(config) == 0
+def test_assign_cannot_name_its_own_run_as_the_model(spark, published_run, capsys):
+    config, out = published_run
     assert main(["assign", "--model-run", "first", "--config", str(config)]) == 2
     assert refused(capsys) == ("kfed-spark: error: run 'first' cannot take its own model: give the new run another "
                                "run_id")
-    assert [r.status for r in runs_of(spark, tmp_path / "out")] == ["succeeded"]
+    assert [r.status for r in runs_of(spark, out)] == ["succeeded"]
 
 
 def test_a_python_worker_failure_is_told_by_its_own_exception(spark):

@@ -12,8 +12,7 @@ from kfed_spark.cli import main
 from kfed_spark.faults import FAULT_ENV
 from kfed_spark.bench.datasets import hashed_ngram_tfidf, load
 
-from conftest import MIXTURE
-from helpers import needs_shared_data, published, report_folder, runs_of
+from helpers import MIXTURE, needs_shared_data, published, report_folder, runs_of
 
 
 class PageParser(HTMLParser):
@@ -36,9 +35,8 @@ class PageParser(HTMLParser):
         self.cells.append(data)
 
 
-def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, config, tmp_path, capsys):
-    assert main(["run", "--config", str(config)]) == 0
-    out = tmp_path / "out"
+def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, published_run, capsys):
+    _, out = published_run
     folder = report_folder(out, "first")
     report = json.loads((folder / "report.json").read_text())
     run = runs_of(spark, out)[0]

@@ -6,9 +6,7 @@ from deltalake import DeltaTable
 from kfed_spark.cli import main
 from kfed_spark.io import TABLE_COMMENTS
 
-from conftest import MIXTURE
-from helpers import DUCKDB_PUBLISHED_LABELS
-from test_job import run_cli
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, run_cli
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 
@@ -27,16 +25,16 @@ def test_sql_command_queries_the_tables_and_the_latest_run(spark, config, tmp_pa
     assert capsys.readouterr().out.split() == ["n", str(2 * N_ROWS)]
 
 
-def test_every_table_and_column_carries_a_comment(spark, config, tmp_path):
+def test_every_table_and_column_carries_a_comment(spark, published_run):
     """DESCRIBE shows what a column means, DESCRIBE DETAIL what the table holds."""
-    assert run_cli(config) == 0
+    _, out = published_run
     for name, comment in TABLE_COMMENTS.items():
-        path = tmp_path / "out" / name
+        path = out / name
         assert spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first().description == comment
         columns = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{path}`").collect()
                    if row.col_name and not row.col_name.startswith("#")}
         assert all(columns.values()), (name, columns)
-    labels = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{tmp_path / 'out' / 'labels'}`").collect()}
+    labels = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{out / 'labels'}`").collect()}
     assert (labels["cluster_id"], labels["features"]) == ("the global cluster of the row", "as in the input table")
 
 
