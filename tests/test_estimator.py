@@ -135,3 +135,15 @@ def test_assign_from_a_missing_run_is_a_clear_error(published_run, capsys):
     config, out = published_run
     assert main(["assign", "--model-run", "nope", "--config", str(config), "--set", "run_id=x"]) == 2
     assert capsys.readouterr().err.strip() == f"kfed-spark: error: no published run 'nope' under {out}"
+
+
+def test_the_estimator_needs_neither_delta_spark_nor_the_job():
+    """A notebook without delta-spark imports the estimator; it brings the fit layer, not the job's stages."""
+    import subprocess
+    import sys
+
+    check = ("import sys; sys.modules['delta'] = None; import kfed_spark.estimator; "
+             "print(sorted(m for m in ('kfed_spark.job', 'kfed_spark.attempts', 'kfed_spark.bench') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
