@@ -21,11 +21,8 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from kfed_spark.workers import SQ_DIST_COL
 from kfed_spark.config import InputConfig, KFedConfig, validate_columns
 from kfed_spark.errors import ConfigError
-from kfed_spark.kernels import LabelModel
-from kfed_spark.params import AlgorithmParams
 from kfed_spark.fitting import (
     LOCAL_CENTER_COLUMNS,
     REASON_COL,
@@ -35,6 +32,9 @@ from kfed_spark.fitting import (
     label_rows,
     validated,
 )
+from kfed_spark.kernels import LabelModel
+from kfed_spark.params import AlgorithmParams
+from kfed_spark.workers import SQ_DIST_COL
 
 LOCAL_CENTERS_DATA = "data/local_centers"
 

@@ -1,7 +1,10 @@
-"""Numeric kernels of k-FED (Dennis, Li and Smith, ICML 2021): pure numpy, no Spark.
+"""Numeric kernels of k-FED (Dennis, Li and Smith, ICML 2021): numpy, no Spark.
 
 The local step (alg. 1) runs on one device's rows, the server step (alg. 2) on the
-driver over all local centers. Spark code calls these functions; they never call Spark.
+driver over all local centers; LabelModel labels rows with the result (in the Spark
+job's workers and in federated_kmeans, the single-process reference). Spark code calls
+these functions; they never call Spark. Only LabelModel's device lookup uses pandas (a
+hash index: device ids may be strings).
 """
 
 from __future__ import annotations

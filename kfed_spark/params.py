@@ -103,9 +103,5 @@ class AlgorithmParams:
         if not isinstance(self.k_per_device, str) and self.k_per_device > self.k:
             raise ConfigError(f"k_per_device ({self.k_per_device}) must not exceed k ({self.k})")
 
-    def algorithm(self) -> AlgorithmParams:
-        """These parameters alone (from a KFedConfig, which extends them)."""
-        return AlgorithmParams(**{spec.name: getattr(self, spec.name) for spec in fields(AlgorithmParams)})
-
 
 DEFAULTS = AlgorithmParams()
