@@ -2,8 +2,9 @@
 
 Feature preparation (validated), alg. 1 on every device in the executors (collect_local_centers),
 alg. 2 on the driver (fit), devices a model has not seen (extend_with_new_devices) and the
-labelling pass (label_rows). No Delta table and no file is written or read here; the
-functions Spark runs in the Python workers are in kfed_spark.workers, the numpy in kfed_spark.kernels.
+labelling pass (label_rows). Nothing is written here, and the only table read is the side table
+k_per_device may name (io.read_side_table); the functions Spark runs in the Python workers are in
+kfed_spark.workers, the numpy in kfed_spark.kernels.
 """
 
 from __future__ import annotations
@@ -115,10 +116,7 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
         raise InputError(f"no row of the input can be clustered (all {checked.count()} rows are bad; see quarantine)")
     with timer.stage("server_step"):
         try:
-            server = server_step(
-                local.centers, local.counts, local.devices, local.ids, cfg.k, cfg.server_refine, cfg.max_iter, cfg.tol,
-                seeding=cfg.seeding, robust_min_size=cfg.robust_min_size, seed=cfg.seed,
-            )
+            server = server_step(local.centers, local.counts, local.devices, local.ids, cfg)
         except ValueError as exc:
             raise KFedError(str(exc)) from None
         log.info(

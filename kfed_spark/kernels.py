@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from kfed_spark.params import DEFAULTS, SEEDINGS
+from kfed_spark.params import DEFAULTS, SEEDINGS, AlgorithmParams
 
 MARGIN = 3.0
 """Alg. 1 keeps a point for a rough center r when it is MARGIN times closer to r than to any other."""
@@ -304,15 +304,10 @@ def server_step(
     counts: np.ndarray,
     device_ids: np.ndarray,
     local_ids: np.ndarray,
-    k: int,
-    refine: str = DEFAULTS.server_refine,
-    max_iter: int = DEFAULTS.max_iter,
-    tol: float = DEFAULTS.tol,
-    seeding: str = DEFAULTS.seeding,
-    robust_min_size: float = DEFAULTS.robust_min_size,
-    seed: int = DEFAULTS.seed,
+    params: AlgorithmParams = DEFAULTS,
 ) -> ServerClustering:
-    """Alg. 2: merge all devices' local centers into k global clusters.
+    """Alg. 2: merge all devices' local centers into k global clusters, with params' k, seeding,
+    robust_min_size, server_refine (refine below), max_iter, tol and seed.
 
     seeding="farthest" (the paper): the seed set starts as the centers of the device with the
     most local centers (ties: smallest id) and grows by farthest-point additions. "robust" does
@@ -326,6 +321,7 @@ def server_step(
     global centers. Local centers are put in (device, position) order first, so the result does
     not depend on the order the devices were given in.
     """
+    k, refine, seeding, seed = params.k, params.server_refine, params.seeding, params.seed
     if refine not in ("lloyd", "none"):
         raise ValueError(f"server_refine must be 'lloyd' or 'none', not {refine!r}")
     if seeding not in SEEDINGS:
@@ -338,7 +334,7 @@ def server_step(
     weights = np.asarray(counts, dtype=np.float64)[order]
     eligible = np.ones(len(ordered), dtype=bool)
     if seeding == "robust":
-        eligible = weights >= robust_min_size * np.median(weights)
+        eligible = weights >= params.robust_min_size * np.median(weights)
     if seeding == "kmeanspp":
         rngs = [device_rng(seed, f"{SERVER_RNG_KEY}{restart}") for restart in range(KMEANSPP_RESTARTS)]
         candidates = [_kmeanspp_seeds(ordered, weights, k, rng) for rng in rngs]
@@ -347,7 +343,8 @@ def server_step(
         initial, seed_device = _largest_device_centers(ordered, device_ids[order], eligible, k)
         candidates = [_farthest_point_seeds(ordered, initial, eligible, k)]
     refined = [
-        _refine(ordered[eligible], weights[eligible], ordered[seeds], refine, max_iter, tol) for seeds in candidates
+        _refine(ordered[eligible], weights[eligible], ordered[seeds], refine, params.max_iter, params.tol)
+        for seeds in candidates
     ]
     global_centers, ordered_assignment, rounds = min(refined, key=lambda result: result[3])[:3]
     if not eligible.all():
@@ -496,31 +493,23 @@ class FederatedClustering:
 def federated_kmeans(
     x: np.ndarray,
     devices: np.ndarray,
-    k: int,
-    k_per_device: int | str,
-    seed: int,
-    refine: str = DEFAULTS.server_refine,
-    label_mode: str = DEFAULTS.label_mode,
-    max_iter: int = DEFAULTS.max_iter,
-    tol: float = DEFAULTS.tol,
-    seeding: str = DEFAULTS.seeding,
-    robust_min_size: float = DEFAULTS.robust_min_size,
-    k_per_device_max: int = DEFAULTS.k_per_device_max,
+    params: AlgorithmParams = DEFAULTS,
 ) -> FederatedClustering:
     """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
 
-    k_per_device is a number or "auto" (each device's estimate_local_k, at most
-    min(k, k_per_device_max)). It is the single-process floor of the benchmark and the
-    reference the Spark job is tested against.
+    params.k_per_device is a number or "auto" (each device's estimate_local_k, at most
+    min(k, k_per_device_max)); max_rows_per_device does not apply (every row is clustered). It is
+    the single-process floor of the benchmark and the reference the Spark job is tested against.
     """
+    k, k_per_device = params.k, params.k_per_device
     order = np.argsort(devices, kind="stable")
     keys, starts = np.unique(devices[order], return_index=True)
     ends = np.append(starts[1:], len(order))
     results = []
     for key, s, e in zip(keys, starts, ends):
         rows = x[order[s:e]]
-        k_z = estimate_local_k(rows, min(k, k_per_device_max)) if k_per_device == "auto" else k_per_device
-        results.append(local_step(rows, k_z, device_rng(seed, plain(key)), max_iter, tol))
+        k_z = estimate_local_k(rows, min(k, params.k_per_device_max)) if k_per_device == "auto" else k_per_device
+        results.append(local_step(rows, k_z, device_rng(params.seed, plain(key)), params.max_iter, params.tol))
     per_device = np.array([len(r.counts) for r in results])
     local_devices = np.repeat(keys, per_device)
     local_ids = np.concatenate([np.arange(m) for m in per_device])
@@ -530,15 +519,10 @@ def federated_kmeans(
         np.concatenate([r.counts for r in results]),
         local_devices,
         local_ids,
-        k,
-        refine,
-        max_iter,
-        tol,
-        seeding=seeding,
-        robust_min_size=robust_min_size,
-        seed=seed,
+        params,
     )
-    model = LabelModel.build(local_devices, local_ids, local_centers, server.assignment, server.centers, label_mode)
+    model = LabelModel.build(local_devices, local_ids, local_centers, server.assignment, server.centers,
+                             params.label_mode)
     local_labels = np.empty(len(x), dtype=np.int64)
     labels = np.empty(len(x), dtype=np.int64)
     for start in range(0, len(x), LABEL_CHUNK_ROWS):

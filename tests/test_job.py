@@ -16,6 +16,7 @@ from kfed_spark.config import InputConfig
 from kfed_spark.io import TABLES, read_input
 from kfed_spark.kernels import federated_kmeans
 from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.params import AlgorithmParams
 
 from helpers import MIXTURE, ROOT, fitted_labels, labels_of, published, report_folder, run_cli, runs_of, write_empty_config
 
@@ -64,8 +65,9 @@ def test_spark_job_equals_the_single_process_numpy_run(spark, config, tmp_path, 
     assert run_cli(config, f"label_mode={label_mode}", "server_refine=none") == 0
     table = pq.read_table(mixture_path)
     x = np.stack(table.column("features").to_numpy(zero_copy_only=False))
-    reference = federated_kmeans(x, table.column("device_id").to_numpy(), MIXTURE["k"], MIXTURE["k_per_device"],
-                                 seed=11, refine="none", label_mode=label_mode)
+    params = AlgorithmParams(k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"], seed=11, server_refine="none",
+                             label_mode=label_mode)
+    reference = federated_kmeans(x, table.column("device_id").to_numpy(), params)
     got = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id", "local_cluster_id").toPandas()
     got = got.set_index("row_id").loc[table.column("row_id").to_numpy()]
     np.testing.assert_array_equal(got.cluster_id.to_numpy(), reference.labels)

@@ -19,6 +19,7 @@ from kfed_spark.kernels import (
     squared_distances,
 )
 from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
+from kfed_spark.params import AlgorithmParams
 
 
 def blobs(rng, means, n, noise=1.0):
@@ -148,7 +149,7 @@ def test_server_seeds_from_the_device_with_most_centers_then_farthest_points():
     centers = rng.normal(size=(9, 3))
     devices = np.array([4, 4, 2, 2, 2, 7, 7, 7, 9])
     local_ids = np.array([0, 1, 0, 1, 2, 0, 1, 2, 0])
-    result = server_step(centers, np.ones(9), devices, local_ids, 5, refine="none")
+    result = server_step(centers, np.ones(9), devices, local_ids, AlgorithmParams(k=5, server_refine="none"))
     assert result.seed_device == 2  # devices 2 and 7 have 3 centers; 2 is the smaller id
     np.testing.assert_array_equal(result.centers, farthest_first_reference(centers, [2, 3, 4], 5))
 
@@ -159,16 +160,17 @@ def test_server_step_does_not_depend_on_device_order():
     counts = rng.integers(1, 50, size=40)
     devices = np.repeat(np.array(["a", "b", "c", "d", "e", "f", "g", "h"]), 5)
     local_ids = np.tile(np.arange(5), 8)
-    first = server_step(centers, counts, devices, local_ids, 6)
+    first = server_step(centers, counts, devices, local_ids, AlgorithmParams(k=6))
     order = rng.permutation(40)
-    permuted = server_step(centers[order], counts[order], devices[order], local_ids[order], 6)
+    permuted = server_step(centers[order], counts[order], devices[order], local_ids[order], AlgorithmParams(k=6))
     np.testing.assert_array_equal(first.centers, permuted.centers)
     np.testing.assert_array_equal(first.assignment[order], permuted.assignment)
 
 
 def test_server_refinement_weights_local_centers_by_point_count():
     centers = np.array([[0.0], [1.0], [10.0]])
-    result = server_step(centers, np.array([100, 1, 1]), np.array([0, 1, 2]), np.zeros(3), 2, refine="lloyd")
+    result = server_step(centers, np.array([100, 1, 1]), np.array([0, 1, 2]), np.zeros(3),
+                         AlgorithmParams(k=2, server_refine="lloyd"))
     np.testing.assert_allclose(np.sort(result.centers[:, 0]), [1.0 / 101.0, 10.0])
     np.testing.assert_array_equal(result.assignment[0], result.assignment[1])
 
@@ -176,20 +178,20 @@ def test_server_refinement_weights_local_centers_by_point_count():
 def test_server_step_rejects_k_above_distinct_local_centers():
     centers = np.array([[0.0], [0.0], [1.0]])
     with pytest.raises(ValueError, match="k = 3 is more than the 2 distinct local centers"):
-        server_step(centers, np.ones(3), np.array([0, 1, 2]), np.zeros(3), 3)
+        server_step(centers, np.ones(3), np.array([0, 1, 2]), np.zeros(3), AlgorithmParams(k=3))
     # Equal centers whose BLAS-form distance leaves rounding residue are still duplicates.
     rng = np.random.default_rng(10)
     distinct = rng.normal(size=(5, 16)) * 1e3
     centers = np.concatenate([distinct, distinct[::-1]])
     with pytest.raises(ValueError, match="k = 6 is more than the 5 distinct local centers"):
-        server_step(centers, np.ones(10), np.arange(10), np.zeros(10), 6)
+        server_step(centers, np.ones(10), np.arange(10), np.zeros(10), AlgorithmParams(k=6))
 
 
 def test_pruned_farthest_point_search_equals_the_plain_one():
     rng = np.random.default_rng(11)
     x, _ = blobs(rng, rng.normal(0, 20, size=(80, 6)), 4000)
     devices, local_ids = np.arange(len(x)) // 4, np.arange(len(x)) % 4
-    result = server_step(x, np.ones(len(x)), devices, local_ids, 120, refine="none")
+    result = server_step(x, np.ones(len(x)), devices, local_ids, AlgorithmParams(k=120, server_refine="none"))
     np.testing.assert_array_equal(result.centers, farthest_first_reference(x, [0, 1, 2, 3], 120))
 
 
@@ -209,8 +211,8 @@ def outlier_setting(rng):
 def test_robust_seeding_ignores_small_outlying_centers_that_farthest_point_picks():
     centers, counts, devices, local_ids, truth = outlier_setting(np.random.default_rng(12))
     inliers = slice(0, len(truth))
-    plain_run = server_step(centers, counts, devices, local_ids, 6, seeding="farthest")
-    robust = server_step(centers, counts, devices, local_ids, 6, seeding="robust")
+    plain_run = server_step(centers, counts, devices, local_ids, AlgorithmParams(k=6, seeding="farthest"))
+    robust = server_step(centers, counts, devices, local_ids, AlgorithmParams(k=6, seeding="robust"))
     assert adjusted_rand_index(truth, robust.assignment[inliers]) == pytest.approx(1.0)
     assert adjusted_rand_index(truth, plain_run.assignment[inliers]) < 0.8
     assert len(robust.assignment) == len(centers)  # the small centers are still assigned
@@ -221,12 +223,12 @@ def test_kmeanspp_seeding_is_seeded_and_finds_the_clusters():
     means = rng.normal(0, 30, size=(8, 4))
     x, truth = blobs(rng, means, 400)
     devices, local_ids = np.arange(400) // 4, np.arange(400) % 4
-    first = server_step(x, np.ones(400), devices, local_ids, 8, seeding="kmeanspp", seed=3)
-    again = server_step(x, np.ones(400), devices, local_ids, 8, seeding="kmeanspp", seed=3)
+    first = server_step(x, np.ones(400), devices, local_ids, AlgorithmParams(k=8, seeding="kmeanspp", seed=3))
+    again = server_step(x, np.ones(400), devices, local_ids, AlgorithmParams(k=8, seeding="kmeanspp", seed=3))
     np.testing.assert_array_equal(first.centers, again.centers)
     assert adjusted_rand_index(truth, first.assignment) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="seeding must be one of"):
-        server_step(x, np.ones(400), devices, local_ids, 8, seeding="best")
+        server_step(x, np.ones(400), devices, local_ids, AlgorithmParams(k=8, seeding="best"))
 
 
 @pytest.mark.parametrize("clusters", [1, 2, 3, 5, 8])
@@ -321,5 +323,6 @@ def test_max_iter_bounds_the_server_step_too():
     x = np.concatenate([rng.normal(loc=c, size=(60, 4)) for c in (0.0, 2.0, 4.0, 6.0)])
     devices = np.repeat(np.arange(12), 20)
     for max_iter in (1, 2):
-        result = federated_kmeans(x, devices, k=4, k_per_device=4, seed=0, max_iter=max_iter, tol=0.0)
+        params = AlgorithmParams(k=4, k_per_device=4, seed=0, max_iter=max_iter, tol=0.0)
+        result = federated_kmeans(x, devices, params)
         assert result.server.refine_iterations <= max_iter

@@ -5,6 +5,7 @@ import pytest
 
 from kfed_spark.kernels import device_rng, federated_kmeans, local_step
 from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.params import AlgorithmParams
 
 
 def mixture(scale=1.0, dim=4, k=6, k_per_device=2, devices=30, rows=40, seed=0):
@@ -19,28 +20,30 @@ def mixture(scale=1.0, dim=4, k=6, k_per_device=2, devices=30, rows=40, seed=0):
 @pytest.mark.parametrize("scale", [1e150, 1e-150, 1.0])
 def test_huge_and_tiny_magnitudes_cluster_like_unit_ones(scale):
     x, devices, truth = mixture(scale)
-    result = federated_kmeans(x, devices, 6, 2, seed=0)
+    result = federated_kmeans(x, devices, AlgorithmParams(k=6, k_per_device=2, seed=0))
     assert adjusted_rand_index(truth, result.labels) == pytest.approx(1.0)
     assert np.all(np.isfinite(result.server.centers))
 
 
 def test_one_dimension_and_one_cluster():
     x, devices, truth = mixture(dim=1, k=3, k_per_device=2)
-    assert adjusted_rand_index(truth, federated_kmeans(x, devices, 3, 2, seed=0).labels) > 0.9
-    one = federated_kmeans(x, devices, 1, 1, seed=0)
+    labels = federated_kmeans(x, devices, AlgorithmParams(k=3, k_per_device=2, seed=0)).labels
+    assert adjusted_rand_index(truth, labels) > 0.9
+    one = federated_kmeans(x, devices, AlgorithmParams(k=1, k_per_device=1, seed=0))
     assert set(one.labels) == {0}
     np.testing.assert_allclose(one.server.centers[0], x.mean(axis=0))
 
 
 def test_five_thousand_features_take_the_randomized_svd_path():
     x, devices, truth = mixture(dim=5000, k=4, k_per_device=2, devices=6, rows=30)
-    assert adjusted_rand_index(truth, federated_kmeans(x, devices, 4, 2, seed=0).labels) == pytest.approx(1.0)
+    labels = federated_kmeans(x, devices, AlgorithmParams(k=4, k_per_device=2, seed=0)).labels
+    assert adjusted_rand_index(truth, labels) == pytest.approx(1.0)
 
 
 def test_tiny_devices_and_identical_rows():
     x = np.array([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [10.0, 10.0], [10.0, 0.0], [0.0, 10.1], [10.0, 10.1]])
     devices = np.array(["same", "same", "same", "one", "two", "two", "three"])
-    result = federated_kmeans(x, devices, 4, 3, seed=0)
+    result = federated_kmeans(x, devices, AlgorithmParams(k=4, k_per_device=3, seed=0))
     assert len(result.labels) == 7 and len(np.unique(result.labels)) == 4
     same = local_step(x[:3], 3, device_rng(0, "same"))
     np.testing.assert_array_equal(same.centers, [[0.0, 0.0]])
@@ -50,13 +53,14 @@ def test_tiny_devices_and_identical_rows():
 def test_all_devices_holding_one_point():
     x = np.ones((20, 3))
     devices = np.repeat(np.arange(5), 4)
-    assert set(federated_kmeans(x, devices, 1, 2, seed=0).labels) == {0}
+    assert set(federated_kmeans(x, devices, AlgorithmParams(k=1, k_per_device=2, seed=0)).labels) == {0}
     with pytest.raises(ValueError, match="k = 2 is more than the 1 distinct local centers"):
-        federated_kmeans(x, devices, 2, 2, seed=0)
+        federated_kmeans(x, devices, AlgorithmParams(k=2, k_per_device=2, seed=0))
 
 
 def test_string_and_integer_device_ids_give_the_same_clustering():
     x, devices, _ = mixture()
-    as_int = federated_kmeans(x, devices, 6, 2, seed=3)
-    as_str = federated_kmeans(x, np.array([f"phone-{d:03d}" for d in devices]), 6, 2, seed=3)
+    as_int = federated_kmeans(x, devices, AlgorithmParams(k=6, k_per_device=2, seed=3))
+    as_str = federated_kmeans(x, np.array([f"phone-{d:03d}" for d in devices]),
+                              AlgorithmParams(k=6, k_per_device=2, seed=3))
     assert adjusted_rand_index(as_int.labels, as_str.labels) == pytest.approx(1.0)

@@ -24,6 +24,7 @@ from kfed_spark.workers import feature_matrix
 from kfed_spark.config import build_config
 from kfed_spark.kernels import federated_kmeans, server_step
 from kfed_spark.metrics import adjusted_rand_index, cost_of_labels
+from kfed_spark.params import AlgorithmParams
 
 log = logging.getLogger("kfed_spark")
 
@@ -186,7 +187,8 @@ def run_floor(data: str, out: Path, k: int, k_per_device: int, seed: int) -> tup
     x = feature_matrix(table.column("features"))
     stages["read"] = time.perf_counter() - start
     result, stages["cluster"] = _timed(
-        lambda: federated_kmeans(x, table.column("device_id").to_numpy(), k, k_per_device, seed)
+        lambda: federated_kmeans(x, table.column("device_id").to_numpy(),
+                                 AlgorithmParams(k=k, k_per_device=k_per_device, seed=seed))
     )
     _, stages["write"] = _timed(
         lambda: pq.write_table(
@@ -305,7 +307,8 @@ def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int)
     local_ids = np.tile(np.arange(per_device), devices)
     timings = {"local_centers": float(devices * per_device), "k": float(k)}
     for refine in ("none", "lloyd"):
-        result, seconds = _timed(lambda: server_step(centers, counts, device_ids, local_ids, k, refine))
+        result, seconds = _timed(lambda: server_step(centers, counts, device_ids, local_ids,
+                                                   AlgorithmParams(k=k, server_refine=refine)))
         timings[f"seconds, server_refine={refine}"] = round(seconds, 3)
         timings[f"refine rounds, server_refine={refine}"] = float(result.refine_iterations)
     return timings

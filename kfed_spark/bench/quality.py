@@ -20,6 +20,7 @@ from kfed_spark.workers import feature_matrix, features_array
 from kfed_spark.bench.datasets import DATASETS, load
 from kfed_spark.kernels import device_rng, federated_kmeans
 from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
+from kfed_spark.params import AlgorithmParams
 from kfed_spark.bench.synthetic import MEAN_SCALE, mixture
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
@@ -117,12 +118,14 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> list[QualityRo
     k_z = K_PER_DEVICE.get(problem.name, 2)
     for seeding, refine, label_mode in KFED_VARIANTS:
         start = time.perf_counter()
-        result = federated_kmeans(problem.x, problem.devices, problem.k, min(k_z, problem.k), seed, refine,
-                                  label_mode, seeding=seeding)
+        params = AlgorithmParams(k=problem.k, k_per_device=min(k_z, problem.k), seed=seed, seeding=seeding,
+                                 server_refine=refine, label_mode=label_mode)
+        result = federated_kmeans(problem.x, problem.devices, params)
         add(f"k-FED seeding={seeding} refine={refine} labels={label_mode}", str(k_z), result.labels,
             time.perf_counter() - start)
     start = time.perf_counter()
-    result = federated_kmeans(problem.x, problem.devices, problem.k, "auto", seed)
+    params = AlgorithmParams(k=problem.k, k_per_device="auto", seed=seed)
+    result = federated_kmeans(problem.x, problem.devices, params)
     add("k-FED seeding=robust refine=lloyd labels=induced", "auto", result.labels, time.perf_counter() - start)
     add("Spark MLlib KMeans (k-means||)", "-", *mllib_labels(spark, problem, seed, folder))
     add("scikit-learn KMeans (k-means++)", "-", *sklearn_labels(problem, seed))
