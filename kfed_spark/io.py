@@ -304,11 +304,7 @@ class OutputTables:
                     raise
                 self.check_schema(name, schemas[name])
 
-        missing = [name for name in schemas if not present[name]]
-        if missing:
-            with ThreadPoolExecutor(max_workers=len(missing)) as pool:
-                for future in [pool.submit(create, name) for name in missing]:
-                    future.result()
+        _concurrently(create, [name for name in schemas if not present[name]])
         self.register()
 
     # -- writes -----------------------------------------------------------------------------------
@@ -446,10 +442,11 @@ class OutputTables:
 
 
 def _concurrently(commit: Callable[[str], object], names: list[str]) -> None:
-    """commit(name) for every table name, in threads: a Delta commit is mostly fixed overhead (about a
+    """commit(name) for every table name (creation, append or delete), in threads: a Delta commit is mostly fixed overhead (about a
     second in local mode), so commits to different tables overlap well. The first failure is raised."""
-    if len(names) == 1:
-        commit(names[0])
+    if len(names) <= 1:
+        for name in names:
+            commit(name)
         return
     with ThreadPoolExecutor(max_workers=len(names)) as pool:
         for future in [pool.submit(commit, name) for name in names]:

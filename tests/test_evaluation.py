@@ -8,14 +8,12 @@ import pyarrow as pa
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.kernels import LabelModel
 from kfed_spark.metrics import adjusted_rand_index, ari_of, cost_of_labels
-from kfed_spark.workers import EVALUATION_COL, label_batches
+from kfed_spark.workers import EVALUATION_COL, features_array, label_batches
 
 
 def batch_of(devices, x, truth, reasons):
-    offsets = np.arange(0, x.size + 1, x.shape[1], dtype=np.int32)
     return pa.RecordBatch.from_arrays(
-        [pa.array(devices), pa.ListArray.from_arrays(offsets, pa.array(x.ravel())), pa.array(truth),
-         pa.array(reasons, type=pa.string())],
+        [pa.array(devices), features_array(x), pa.array(truth), pa.array(reasons, type=pa.string())],
         names=["device_id", "features", "truth", "reason"],
     )
 
