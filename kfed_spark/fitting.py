@@ -39,6 +39,7 @@ from kfed_spark.errors import InputError, KFedError
 from kfed_spark.evaluation import EvaluationSpec
 from kfed_spark.io import read_side_table
 from kfed_spark.kernels import LabelModel, ServerClustering, nearest_center, server_step
+from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import (
     EVALUATION_COL,
     SQ_DIST_COL,
@@ -236,12 +237,9 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
     fixed = not isinstance(cfg.k_per_device, str)
     spec = LocalStepSpec(
         cfg.k_per_device if fixed else min(cfg.k, cfg.k_per_device_max),
-        cfg.seed,
-        cfg.max_iter,
-        cfg.tol,
+        AlgorithmParams.of(cfg),
         dim,
         to_arrow_type(device_type),
-        cfg.max_rows_per_device,
         k_source="fixed" if fixed else "auto" if cfg.k_per_device == "auto" else "column",
         task_fault=faults.task_fault(),
     )

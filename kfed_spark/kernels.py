@@ -87,11 +87,18 @@ def nearest_center(x: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.n
     n = len(x)
     labels = np.empty(n, dtype=np.int64)
     best = np.empty(n, dtype=np.float64)
+    c_sq = np.einsum("ij,ij->i", centers, centers)
     step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, len(centers)))
     for start in range(0, n, step):
-        dist = squared_distances(x[start : start + step], centers)
-        labels[start : start + step] = np.argmin(dist, axis=1)
-        best[start : start + step] = dist[np.arange(len(dist)), labels[start : start + step]]
+        chunk = x[start : start + step]
+        # |c|^2 - 2 x.c orders the centers as the squared distance does; |x|^2 is added to the winner only.
+        partial = chunk @ centers.T
+        partial *= -2.0
+        partial += c_sq[None, :]
+        nearest = np.argmin(partial, axis=1)
+        labels[start : start + step] = nearest
+        best[start : start + step] = partial[np.arange(len(chunk)), nearest] + np.einsum("ij,ij->i", chunk, chunk)
+    np.maximum(best, 0.0, out=best)
     return labels, best
 
 
@@ -121,14 +128,25 @@ def kmeans_plusplus(
     as scikit-learn does): single-draw k-means++ often puts two seeds in one cluster.
     """
     trials = 2 + int(np.log(k))
+    norms = np.einsum("ij,ij->i", x, x)
+    # Squared distances up to this are rounding residue of equal rows: once every row is that close
+    # to a seed, the distinct rows have run out.
+    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
+
+    def to(rows: np.ndarray) -> np.ndarray:  # squared distances from x[rows] to every row, (len(rows), n)
+        dist = x[rows] @ x.T
+        dist *= -2.0
+        dist += norms[rows, None]
+        dist += norms[None, :]
+        return np.maximum(dist, 0.0, out=dist)
+
     chosen = [_draw(np.cumsum(weights), rng, 1)[0]]
-    closest = squared_distances(x, x[chosen]).ravel()
+    closest = to(np.asarray(chosen))[0]
     for _ in range(1, k):
-        cumulative = np.cumsum(weights * closest)
-        if cumulative[-1] <= 0.0:
+        if np.max(closest) <= duplicate_below:
             break
-        candidates = _draw(cumulative, rng, trials)
-        candidate_closest = np.minimum(closest[None, :], squared_distances(x[candidates], x))
+        candidates = _draw(np.cumsum(weights * closest), rng, trials)
+        candidate_closest = np.minimum(closest[None, :], to(candidates))
         best = int(np.argmin(candidate_closest @ weights))
         chosen.append(int(candidates[best]))
         closest = candidate_closest[best]
@@ -211,10 +229,9 @@ def margin_initial_centers(
     return np.where(margin_mass[:, None] > 0, margin_means, cell_means)
 
 
-def local_step(
-    x: np.ndarray, k: int, rng: np.random.Generator, max_iter: int = DEFAULTS.max_iter, tol: float = DEFAULTS.tol
-) -> LocalClustering:
-    """Alg. 1 on one device's rows x (n, d): at most k local centers with counts and SSE.
+def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: AlgorithmParams = DEFAULTS) -> LocalClustering:
+    """Alg. 1 on one device's rows x (n, d): at most k local centers with counts and SSE, with
+    params' local_restarts, max_iter and tol.
 
     Rows are deduplicated first (np.unique sorts them), so duplicates cost nothing and the
     result does not depend on the order the rows arrived in. A device with at most k distinct
@@ -226,14 +243,33 @@ def local_step(
     weights = counts.astype(np.float64)
     rank = min(k, distinct.shape[1])
     projected = distinct @ top_right_singular_vectors(distinct, weights, rank, rng).T
-    rough = projected[kmeans_plusplus(projected, weights, k, rng)]
-    rough = lloyd(projected, weights, rough, ROUGH_LLOYD_ITERATIONS, tol=0.0)[0]
+    rough = rough_centers(projected, weights, k, params.local_restarts, rng)
     initial = margin_initial_centers(distinct, projected, weights, rough)
-    centers, labels, sq_dist, _ = lloyd(distinct, weights, initial, max_iter, tol)
+    centers, labels, sq_dist, _ = lloyd(distinct, weights, initial, params.max_iter, params.tol)
     mass = np.bincount(labels, weights=weights, minlength=k)
     sse = np.bincount(labels, weights=weights * sq_dist, minlength=k)
     keep = mass > 0
     return LocalClustering(centers[keep], mass[keep].astype(np.int64), sse[keep])
+
+
+def rough_centers(
+    projected: np.ndarray, weights: np.ndarray, k: int, restarts: int, rng: np.random.Generator
+) -> np.ndarray:
+    """The rough clustering of alg. 1: the best of `restarts` greedy k-means++ seedings, each followed
+    by ROUGH_LLOYD_ITERATIONS Lloyd rounds, by weighted cost in the projection.
+
+    One rough clustering sometimes merges two close clusters, and every later step inherits it;
+    the projection has only k dimensions, so trying several costs little next to the Lloyd
+    rounds on the original rows.
+    """
+    best_cost, best = np.inf, None
+    for _ in range(restarts):
+        seeds = projected[kmeans_plusplus(projected, weights, k, rng)]
+        centers, _, sq_dist, _ = lloyd(projected, weights, seeds, ROUGH_LLOYD_ITERATIONS, tol=0.0)
+        cost = float(weights @ sq_dist)
+        if cost < best_cost:
+            best_cost, best = cost, centers
+    return best
 
 
 def estimate_local_k(x: np.ndarray, k_max: int) -> int:
@@ -293,7 +329,11 @@ def scale_counts(counts: np.ndarray, total: int) -> np.ndarray:
 
 
 KMEANSPP_RESTARTS = 10
-"""Seedings tried by seeding="kmeanspp"; the one with the lowest weighted cost is kept."""
+"""Seedings tried by seeding="kmeanspp"; the one with the lowest weighted cost after refinement is kept."""
+
+KMEANSPP_SAMPLE_PER_CLUSTER = 32
+"""seeding="kmeanspp" seeds and compares its restarts on a seeded sample of this many local centers
+per global cluster (all of them when there are fewer), then refines the best over all of them."""
 
 SERVER_RNG_KEY = "__kfed_server__"
 """Device id under which the server step's own random draws are seeded from the run seed."""
@@ -307,21 +347,24 @@ def server_step(
     params: AlgorithmParams = DEFAULTS,
 ) -> ServerClustering:
     """Alg. 2: merge all devices' local centers into k global clusters, with params' k, seeding,
-    robust_min_size, server_refine (refine below), max_iter, tol and seed.
+    robust_min_size, server_refine, max_iter, tol and seed.
 
-    seeding="farthest" (the paper): the seed set starts as the centers of the device with the
-    most local centers (ties: smallest id) and grows by farthest-point additions. "robust" does
-    the same over only the local centers backed by at least robust_min_size times the median
-    center count, and refines over them only, so a few stray points can neither become seeds
-    nor pull a center away; the small ones are assigned to the nearest global center at the end.
-    "kmeanspp" runs greedy k-means++ over the count-weighted local centers KMEANSPP_RESTARTS
-    times (seeded from the run seed) and keeps the seeding with the lowest weighted cost after
-    refinement. Every local center then goes to its nearest seed; refine="lloyd" runs Lloyd over
-    the local centers weighted by their point counts, refine="none" keeps the seeds as the
-    global centers. Local centers are put in (device, position) order first, so the result does
-    not depend on the order the devices were given in.
+    The outlier filter first: with robust_min_size > 0 only the local centers backed by at least
+    that times the median center count take part in seeding and refinement, so a few stray
+    points can neither become seeds nor pull a center away; the small ones are assigned to the
+    nearest global center at the end. Then the seeding rule over those centers:
+    - "farthest" (the paper; "robust" is its older name): the seed set starts as the centers of
+      the device with the most local centers (ties: smallest id) and grows by farthest-point
+      additions; every center goes to its nearest seed.
+    - "kmeanspp": greedy k-means++ over the count-weighted centers, KMEANSPP_RESTARTS times
+      (seeded from the run seed), keeping the lowest weighted cost after refinement. Above
+      KMEANSPP_SAMPLE_PER_CLUSTER x k centers the restarts run on one seeded sample of that
+      size, whose counts stand for the rest, and the best is then refined over all centers.
+    server_refine="lloyd" runs Lloyd over the local centers weighted by their point counts,
+    "none" keeps the seeds as the global centers. Local centers are put in (device, position)
+    order first, so the result does not depend on the order the devices were given in.
     """
-    k, refine, seeding, seed = params.k, params.server_refine, params.seeding, params.seed
+    k, refine, seeding = params.k, params.server_refine, params.seeding
     if refine not in ("lloyd", "none"):
         raise ValueError(f"server_refine must be 'lloyd' or 'none', not {refine!r}")
     if seeding not in SEEDINGS:
@@ -332,32 +375,61 @@ def server_step(
     order = by_local_id[np.argsort(device_ids[by_local_id], kind="stable")]
     ordered = centers[order]
     weights = np.asarray(counts, dtype=np.float64)[order]
-    eligible = np.ones(len(ordered), dtype=bool)
-    if seeding == "robust":
-        eligible = weights >= params.robust_min_size * np.median(weights)
+    eligible = weights >= params.robust_min_size * np.median(weights)
     if seeding == "kmeanspp":
-        rngs = [device_rng(seed, f"{SERVER_RNG_KEY}{restart}") for restart in range(KMEANSPP_RESTARTS)]
-        candidates = [_kmeanspp_seeds(ordered, weights, k, rng) for rng in rngs]
         seed_device = None
+        found = _kmeanspp_centers(ordered[eligible], weights[eligible], params)
+        if found is None and not eligible.all():  # too few distinct centers pass the filter: use them all
+            eligible[:] = True
+            found = _kmeanspp_centers(ordered, weights, params)
+        if found is None:
+            raise ValueError(
+                f"k = {k} is more than the {len(np.unique(ordered, axis=0))} distinct local centers the devices "
+                f"provide; lower k or raise k_per_device"
+            )
+        global_centers, ordered_assignment, rounds = found
     else:
         initial, seed_device = _largest_device_centers(ordered, device_ids[order], eligible, k)
-        candidates = [_farthest_point_seeds(ordered, initial, eligible, k)]
-    refined = [
-        _refine(ordered[eligible], weights[eligible], ordered[seeds], refine, params.max_iter, params.tol)
-        for seeds in candidates
-    ]
-    global_centers, ordered_assignment, rounds = min(refined, key=lambda result: result[3])[:3]
-    if not eligible.all():
+        seeds = _farthest_point_seeds(ordered, initial, eligible, k)
+        global_centers, ordered_assignment, rounds, _ = _refine(ordered[eligible], weights[eligible],
+                                                                ordered[seeds], params)
+    if not eligible.all():  # the centers the filter left out go to their nearest global center
         ordered_assignment, _ = nearest_center(ordered, global_centers)
     assignment = np.empty_like(ordered_assignment)
     assignment[order] = ordered_assignment
     return ServerClustering(global_centers, assignment, seed_device, rounds)
 
 
-def _refine(x, weights, seeds, refine, max_iter, tol) -> tuple[np.ndarray, np.ndarray, int, float]:
-    """(centers, assignment of x, Lloyd rounds, weighted cost) from the given seeds."""
-    if refine == "lloyd":
-        centers, assignment, sq_dist, rounds = lloyd(x, weights, seeds, max_iter, tol)
+def _kmeanspp_centers(
+    x: np.ndarray, weights: np.ndarray, params: AlgorithmParams, sample_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(global centers, assignment of x, Lloyd rounds) from the best of KMEANSPP_RESTARTS k-means++
+    seedings of a seeded sample of sample_size rows of x (default KMEANSPP_SAMPLE_PER_CLUSTER x k;
+    all of x if it is smaller, or if the sample has fewer than k distinct rows), refined over all
+    of x; None if x has fewer than k distinct rows."""
+    sample_size = sample_size or KMEANSPP_SAMPLE_PER_CLUSTER * params.k
+    sample = np.arange(len(x))
+    if len(x) > sample_size:
+        rng = device_rng(params.seed, f"{SERVER_RNG_KEY}sample")
+        sample = np.sort(rng.choice(len(x), sample_size, replace=False))
+    tried = []
+    for restart in range(KMEANSPP_RESTARTS):
+        rng = device_rng(params.seed, f"{SERVER_RNG_KEY}{restart}")
+        seeds = kmeans_plusplus(x[sample], weights[sample], params.k, rng)
+        if len(seeds) < params.k:
+            return None if len(sample) == len(x) else _kmeanspp_centers(x, weights, params, len(x))
+        tried.append(_refine(x[sample], weights[sample], x[sample][seeds], params))
+    centers, assignment, rounds, _ = min(tried, key=lambda result: result[3])
+    if len(sample) < len(x):
+        centers, assignment, more_rounds, _ = _refine(x, weights, centers, params)
+        rounds += more_rounds
+    return centers, assignment, rounds
+
+
+def _refine(x, weights, seeds, params: AlgorithmParams) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """(centers, assignment of x, Lloyd rounds, weighted cost) from the given seeds, as server_refine says."""
+    if params.server_refine == "lloyd":
+        centers, assignment, sq_dist, rounds = lloyd(x, weights, seeds, params.max_iter, params.tol)
     else:
         centers, rounds = np.array(seeds), 0
         assignment, sq_dist = nearest_center(x, centers)
@@ -406,16 +478,6 @@ def _farthest_point_seeds(x: np.ndarray, initial: np.ndarray, eligible: np.ndarr
             f"lower k or raise k_per_device"
         )
     return np.asarray(seeds)
-
-
-def _kmeanspp_seeds(x: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    seeds = kmeans_plusplus(x, weights, k, rng)
-    if len(seeds) < k:
-        raise ValueError(
-            f"k = {k} is more than the {len(seeds)} distinct local centers the devices provide; "
-            f"lower k or raise k_per_device"
-        )
-    return seeds
 
 
 def nearest_device_center(
@@ -490,42 +552,57 @@ class FederatedClustering:
     local_devices: np.ndarray  # (m,) device of each local center
 
 
-def federated_kmeans(
-    x: np.ndarray,
-    devices: np.ndarray,
-    params: AlgorithmParams = DEFAULTS,
-) -> FederatedClustering:
-    """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
+@dataclass(frozen=True)
+class DeviceClusterings:
+    """Alg. 1's output for every device, in device order: what the server step takes."""
 
-    params.k_per_device is a number or "auto" (each device's estimate_local_k, at most
-    min(k, k_per_device_max)); max_rows_per_device does not apply (every row is clustered). It is
-    the single-process floor of the benchmark and the reference the Spark job is tested against.
-    """
-    k, k_per_device = params.k, params.k_per_device
+    devices: np.ndarray  # (m,) device of each local center
+    local_ids: np.ndarray  # (m,) position of each local center within its device
+    centers: np.ndarray  # (m, d)
+    counts: np.ndarray  # (m,)
+
+
+def local_clusterings(x: np.ndarray, devices: np.ndarray, params: AlgorithmParams = DEFAULTS) -> DeviceClusterings:
+    """Alg. 1 on every device's rows, with params' k_per_device (a number or "auto": each device's
+    estimate_local_k, at most min(k, k_per_device_max)), local_restarts, max_iter, tol and seed."""
     order = np.argsort(devices, kind="stable")
     keys, starts = np.unique(devices[order], return_index=True)
     ends = np.append(starts[1:], len(order))
     results = []
     for key, s, e in zip(keys, starts, ends):
         rows = x[order[s:e]]
-        k_z = estimate_local_k(rows, min(k, params.k_per_device_max)) if k_per_device == "auto" else k_per_device
-        results.append(local_step(rows, k_z, device_rng(params.seed, plain(key)), params.max_iter, params.tol))
+        k_z = (estimate_local_k(rows, min(params.k, params.k_per_device_max)) if params.k_per_device == "auto"
+               else params.k_per_device)
+        results.append(local_step(rows, k_z, device_rng(params.seed, plain(key)), params))
     per_device = np.array([len(r.counts) for r in results])
-    local_devices = np.repeat(keys, per_device)
-    local_ids = np.concatenate([np.arange(m) for m in per_device])
-    local_centers = np.concatenate([r.centers for r in results])
-    server = server_step(
-        local_centers,
+    return DeviceClusterings(
+        np.repeat(keys, per_device),
+        np.concatenate([np.arange(m) for m in per_device]),
+        np.concatenate([r.centers for r in results]),
         np.concatenate([r.counts for r in results]),
-        local_devices,
-        local_ids,
-        params,
     )
-    model = LabelModel.build(local_devices, local_ids, local_centers, server.assignment, server.centers,
+
+
+def federated_kmeans(
+    x: np.ndarray,
+    devices: np.ndarray,
+    params: AlgorithmParams = DEFAULTS,
+    local: DeviceClusterings | None = None,
+) -> FederatedClustering:
+    """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
+
+    max_rows_per_device does not apply (every row is clustered). local, if given, is
+    local_clusterings of the same rows with the same local parameters (a benchmark comparing
+    server settings computes it once). It is the single-process floor of the benchmark and the
+    reference the Spark job is tested against.
+    """
+    local = local or local_clusterings(x, devices, params)
+    server = server_step(local.centers, local.counts, local.devices, local.local_ids, params)
+    model = LabelModel.build(local.devices, local.local_ids, local.centers, server.assignment, server.centers,
                              params.label_mode)
     local_labels = np.empty(len(x), dtype=np.int64)
     labels = np.empty(len(x), dtype=np.int64)
     for start in range(0, len(x), LABEL_CHUNK_ROWS):
         chunk = slice(start, start + LABEL_CHUNK_ROWS)
         local_labels[chunk], labels[chunk], _ = model.label(devices[chunk], x[chunk])
-    return FederatedClustering(labels, local_labels, server, np.concatenate([r.counts for r in results]), local_devices)
+    return FederatedClustering(labels, local_labels, server, local.counts, local.devices)

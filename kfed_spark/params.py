@@ -17,7 +17,9 @@ from kfed_spark.errors import ConfigError
 Constraint = Callable[[object], str | None]
 """Checks a value: None if it is allowed, else what is required ('an integer >= 1')."""
 
-SEEDINGS = ("farthest", "robust", "kmeanspp")
+SEEDINGS = ("farthest", "kmeanspp", "robust")
+"""The server's seeding rules; "robust" is the name older versions gave farthest-point seeding
+with the outlier filter, and now means "farthest" (the filter is robust_min_size, 0 turns it off)."""
 SERVER_REFINES = ("lloyd", "none")
 LABEL_MODES = ("induced", "nearest")
 
@@ -68,13 +70,17 @@ class AlgorithmParams:
     )
     k_per_device_max: int = param(16, integer(1), "with k_per_device 'auto': the largest k a device may estimate")
     seeding: str = param(
-        "robust", one_of(*SEEDINGS),
-        "server seeding: farthest (the paper's farthest-point), robust (farthest-point over the local centers "
-        "backed by enough rows) or kmeanspp (count-weighted k-means++, best of several)",
+        "kmeanspp", one_of(*SEEDINGS),
+        "server seeding rule: kmeanspp (count-weighted greedy k-means++, best of several, on a sample of "
+        "the local centers when they are many) or farthest (the paper's farthest-point); robust is an older "
+        "name for farthest",
     )
     robust_min_size: float = param(
-        0.25, finite_number, "with seeding robust: the share of the median local center's rows a center needs "
-        "to take part in seeding and refinement",
+        0.25, finite_number, "outlier filter of the server step: local centers backed by fewer rows than this "
+        "times the median center's are left out of seeding and refinement and assigned at the end; 0 turns it off",
+    )
+    local_restarts: int = param(
+        3, integer(1), "rough clusterings each device tries in its projection; it keeps the lowest-cost one"
     )
     server_refine: str = param(
         "lloyd", one_of(*SERVER_REFINES), "lloyd (count-weighted Lloyd over the local centers) or none (the paper)"
@@ -92,6 +98,11 @@ class AlgorithmParams:
         100_000, integer(1), "a larger device is clustered on a deterministic sample of this many rows"
     )
     seed: int = param(0, integer(0), "seed of every random draw, with the device id")
+
+    @classmethod
+    def of(cls, settings: object) -> "AlgorithmParams":
+        """The algorithm's parameters out of anything that has them (a KFedConfig, say), and nothing else."""
+        return cls(**{spec.name: getattr(settings, spec.name) for spec in fields(cls)})
 
     def check(self) -> None:
         """Raise ConfigError for the first value its constraint refuses, or a k_per_device above k."""

@@ -24,6 +24,7 @@ from kfed_spark.kernels import (
     scale_counts,
     smallest_hashes,
 )
+from kfed_spark.params import AlgorithmParams
 
 SQ_DIST_COL = "__kfed_sq_dist"
 """Internal column: a row's squared distance to its global center, summed into the run's cost."""
@@ -72,12 +73,9 @@ class LocalStepSpec:
     """
 
     k: int
-    seed: int
-    max_iter: int
-    tol: float
+    params: AlgorithmParams  # seed, local_restarts, max_iter, tol, max_rows_per_device
     dim: int
     device_type: pa.DataType
-    max_rows: int
     k_source: str = "fixed"
     task_fault: str | None = None
     """Test-only (kfed_spark.faults): 'fail_first_attempt' or 'stall' in every local-step task."""
@@ -88,7 +86,7 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
 
     A device's rows may span several batches and a batch may hold several devices: rows are
     buffered until the device id changes. Rows with a null, NaN or infinite value are skipped.
-    A device with more than spec.max_rows rows is clustered on a deterministic sample of that
+    A device with more than params.max_rows_per_device rows is clustered on a deterministic sample of that
     many (_DeviceSample); the rest are only counted, and its centers report counts and SSE for
     all of its rows.
     Yields (device, local_cluster_id, center, n_points, sse).
@@ -123,12 +121,12 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
 
 
 class _DeviceSample:
-    """A device's rows, or once there are more than spec.max_rows of them, the spec.max_rows rows
+    """A device's rows, or once there are more than max_rows_per_device of them, that many rows
     with the smallest seeded row hashes: the same sample whatever order the rows arrive in, held
     in at most twice that many rows."""
 
     def __init__(self, spec: LocalStepSpec):
-        self.limit, self.seed = spec.max_rows, spec.seed
+        self.limit, self.seed = spec.params.max_rows_per_device, spec.params.seed
         self.parts: list[np.ndarray] = []
         self.held = 0
         self.hashes: np.ndarray | None = None  # set once the device outgrows the limit
@@ -168,7 +166,7 @@ def _task_fault(fault: str) -> None:
 def _cluster(device: object, k: int, x: np.ndarray, seen: int, spec: LocalStepSpec) -> LocalClustering:
     if spec.k_source == "auto":
         k = estimate_local_k(x, spec.k)
-    result = local_step(x, k, device_rng(spec.seed, device), spec.max_iter, spec.tol)
+    result = local_step(x, k, device_rng(spec.params.seed, device), spec.params)
     if seen == len(x):
         return result
     return LocalClustering(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
@@ -260,7 +258,7 @@ def label_batches(
             yield pa.RecordBatch.from_arrays(columns + [pa.array(reasons, type=pa.string())], names + [reason_col])
             continue
         truth = None if evaluation.truth_col is None else batch.column(evaluation.truth_col).take(rows)
-        gathered.add(truth, x[finite], cluster)
+        gathered.add(devices, truth, x[finite], cluster, sq_dist)
         if held is not None:
             yield _with_evaluation(*held, None)
         held = (columns, names, reasons, reason_col)

@@ -47,7 +47,7 @@ def test_features_can_be_a_list_of_columns():
         (["seed=-1"], "seed must be an integer >= 0, got -1"),
         (["seed=1.5"], "seed must be an integer >= 0, got 1.5"),
         (["server_refine=kmeans"], "server_refine must be one of lloyd, none, got 'kmeans'"),
-        (["seeding=random"], "seeding must be one of farthest, robust, kmeanspp"),
+        (["seeding=random"], "seeding must be one of farthest, kmeanspp, robust"),
         (["robust_min_size=-1"], "robust_min_size must be a finite number >= 0"),
         (["robust_min_size=.inf"], "robust_min_size must be a finite number >= 0, got inf"),
         (["tol=.nan"], "tol must be a finite number >= 0, got nan"),

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import adjusted_rand_score
 
+from kfed_spark import kernels
 from kfed_spark.kernels import (
     device_rng,
     estimate_local_k,
@@ -18,6 +19,7 @@ from kfed_spark.kernels import (
     server_step,
     squared_distances,
 )
+from kfed_spark.bench.synthetic import close_means_mixture
 from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 from kfed_spark.params import AlgorithmParams
 
@@ -128,6 +130,23 @@ def test_local_step_is_deterministic_and_ignores_row_order():
         np.testing.assert_array_equal(first.counts, other.counts)
 
 
+@pytest.mark.parametrize("device", [2, 8])
+def test_local_restarts_keep_the_cheapest_rough_clustering_and_split_merged_close_clusters(device):
+    """Two devices of the close-means mixture whose one rough clustering merges two clusters."""
+    table = close_means_mixture(0)
+    mine = table.column("device_id").to_numpy() == device
+    x = np.array(table.column("features").to_pylist())[mine]
+    truth = table.column("true_cluster").to_numpy()[mine]
+    ari = {}
+    for restarts in (1, 3):
+        result = local_step(x, 7, device_rng(0, device), AlgorithmParams(local_restarts=restarts))
+        ari[restarts] = adjusted_rand_index(truth, nearest_center(x, result.centers)[0])
+    assert ari[1] < 0.9 and ari[3] > 0.99
+    costs = [nearest_center(x, kernels.rough_centers(x, np.ones(len(x)), 7, restarts, device_rng(0, device)))[1].sum()
+             for restarts in (1, 3, 10)]
+    assert costs[0] >= costs[1] >= costs[2]  # the first draws are shared: more restarts never cost more
+
+
 def test_kmeans_plusplus_picks_one_seed_per_separated_blob():
     rng = np.random.default_rng(5)
     x, truth = blobs(rng, rng.normal(0, 50, size=(8, 3)), 800)
@@ -149,7 +168,7 @@ def test_server_seeds_from_the_device_with_most_centers_then_farthest_points():
     centers = rng.normal(size=(9, 3))
     devices = np.array([4, 4, 2, 2, 2, 7, 7, 7, 9])
     local_ids = np.array([0, 1, 0, 1, 2, 0, 1, 2, 0])
-    result = server_step(centers, np.ones(9), devices, local_ids, AlgorithmParams(k=5, server_refine="none"))
+    result = server_step(centers, np.ones(9), devices, local_ids, AlgorithmParams(k=5, seeding="farthest", server_refine="none"))
     assert result.seed_device == 2  # devices 2 and 7 have 3 centers; 2 is the smaller id
     np.testing.assert_array_equal(result.centers, farthest_first_reference(centers, [2, 3, 4], 5))
 
@@ -175,23 +194,25 @@ def test_server_refinement_weights_local_centers_by_point_count():
     np.testing.assert_array_equal(result.assignment[0], result.assignment[1])
 
 
-def test_server_step_rejects_k_above_distinct_local_centers():
+@pytest.mark.parametrize("seeding", ["farthest", "kmeanspp"])
+def test_server_step_rejects_k_above_distinct_local_centers(seeding):
     centers = np.array([[0.0], [0.0], [1.0]])
     with pytest.raises(ValueError, match="k = 3 is more than the 2 distinct local centers"):
-        server_step(centers, np.ones(3), np.array([0, 1, 2]), np.zeros(3), AlgorithmParams(k=3))
+        server_step(centers, np.ones(3), np.array([0, 1, 2]), np.zeros(3), AlgorithmParams(k=3, seeding=seeding))
     # Equal centers whose BLAS-form distance leaves rounding residue are still duplicates.
     rng = np.random.default_rng(10)
     distinct = rng.normal(size=(5, 16)) * 1e3
     centers = np.concatenate([distinct, distinct[::-1]])
     with pytest.raises(ValueError, match="k = 6 is more than the 5 distinct local centers"):
-        server_step(centers, np.ones(10), np.arange(10), np.zeros(10), AlgorithmParams(k=6))
+        server_step(centers, np.ones(10), np.arange(10), np.zeros(10), AlgorithmParams(k=6, seeding=seeding))
 
 
 def test_pruned_farthest_point_search_equals_the_plain_one():
     rng = np.random.default_rng(11)
     x, _ = blobs(rng, rng.normal(0, 20, size=(80, 6)), 4000)
     devices, local_ids = np.arange(len(x)) // 4, np.arange(len(x)) % 4
-    result = server_step(x, np.ones(len(x)), devices, local_ids, AlgorithmParams(k=120, server_refine="none"))
+    result = server_step(x, np.ones(len(x)), devices, local_ids, AlgorithmParams(k=120, seeding="farthest",
+                                                                                 server_refine="none"))
     np.testing.assert_array_equal(result.centers, farthest_first_reference(x, [0, 1, 2, 3], 120))
 
 
@@ -208,14 +229,36 @@ def outlier_setting(rng):
     return centers, counts, devices, local_ids, truth
 
 
-def test_robust_seeding_ignores_small_outlying_centers_that_farthest_point_picks():
+@pytest.mark.parametrize("seeding", ["farthest", "kmeanspp"])
+def test_the_outlier_filter_ignores_small_outlying_centers_that_seeding_picks(seeding):
     centers, counts, devices, local_ids, truth = outlier_setting(np.random.default_rng(12))
     inliers = slice(0, len(truth))
-    plain_run = server_step(centers, counts, devices, local_ids, AlgorithmParams(k=6, seeding="farthest"))
-    robust = server_step(centers, counts, devices, local_ids, AlgorithmParams(k=6, seeding="robust"))
-    assert adjusted_rand_index(truth, robust.assignment[inliers]) == pytest.approx(1.0)
-    assert adjusted_rand_index(truth, plain_run.assignment[inliers]) < 0.8
-    assert len(robust.assignment) == len(centers)  # the small centers are still assigned
+    filtered = server_step(centers, counts, devices, local_ids, AlgorithmParams(k=6, seeding=seeding))
+    assert adjusted_rand_index(truth, filtered.assignment[inliers]) == pytest.approx(1.0)
+    assert len(filtered.assignment) == len(centers)  # the small centers are still assigned
+    if seeding == "farthest":  # unfiltered, each far one-point center becomes a seed
+        unfiltered = server_step(centers, counts, devices, local_ids,
+                                 AlgorithmParams(k=6, seeding=seeding, robust_min_size=0))
+        assert adjusted_rand_index(truth, unfiltered.assignment[inliers]) < 0.8
+
+
+def test_robust_is_the_older_name_of_farthest_point_seeding():
+    centers, counts, devices, local_ids, _ = outlier_setting(np.random.default_rng(12))
+    older = server_step(centers, counts, devices, local_ids, AlgorithmParams(k=6, seeding="robust"))
+    farthest = server_step(centers, counts, devices, local_ids, AlgorithmParams(k=6, seeding="farthest"))
+    np.testing.assert_array_equal(older.centers, farthest.centers)
+
+
+def test_kmeanspp_seeds_on_a_sample_when_the_local_centers_are_many(monkeypatch):
+    rng = np.random.default_rng(14)
+    means = rng.normal(0, 30, size=(8, 4))
+    x, truth = blobs(rng, means, 2000)
+    devices, local_ids = np.arange(2000) // 4, np.arange(2000) % 4
+    params = AlgorithmParams(k=8, seeding="kmeanspp", seed=3)
+    monkeypatch.setattr(kernels, "KMEANSPP_SAMPLE_PER_CLUSTER", 4)  # 32 of the 2000 centers
+    sampled = server_step(x, np.ones(2000), devices, local_ids, params)
+    assert adjusted_rand_index(truth, sampled.assignment) == pytest.approx(1.0)
+    np.testing.assert_array_equal(sampled.centers, server_step(x, np.ones(2000), devices, local_ids, params).centers)
 
 
 def test_kmeanspp_seeding_is_seeded_and_finds_the_clusters():

@@ -6,6 +6,7 @@ import pytest
 
 from kfed_spark.workers import LocalStepSpec, device_runs, label_batches, local_centers_from_batches
 from kfed_spark.kernels import LabelModel, device_rng, local_step, row_hashes, smallest_hashes
+from kfed_spark.params import AlgorithmParams
 
 
 def rows_batch(devices, x, device_type=pa.int64()):
@@ -33,7 +34,7 @@ def test_devices_spanning_batches_are_clustered_once_on_all_their_rows(device_ty
     x = np.concatenate(list(data.values()))
     # 100-row batches: device 3 spans three batches, batch 3 holds devices 3, 8 and 11.
     batches = [rows_batch(devices[i : i + 100].tolist(), x[i : i + 100], device_type) for i in range(0, len(x), 100)]
-    spec = LocalStepSpec(k=3, seed=5, max_iter=100, tol=1e-8, dim=4, device_type=device_type, max_rows=1000)
+    spec = LocalStepSpec(k=3, params=AlgorithmParams(k=3, seed=5, max_rows_per_device=1000), dim=4, device_type=device_type)
     out = pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
     assert out.column("device_id").to_pylist().count(keys[3]) == 3
     for d, rows in data.items():
@@ -47,7 +48,7 @@ def test_devices_spanning_batches_are_clustered_once_on_all_their_rows(device_ty
 def test_a_device_over_the_row_bound_is_clustered_on_a_sample_that_ignores_row_order_and_counted_whole():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(250, 2)) + np.repeat([[0.0, 0.0], [30.0, 0.0]], 125, axis=0)
-    spec = LocalStepSpec(k=2, seed=0, max_iter=100, tol=1e-8, dim=2, device_type=pa.int64(), max_rows=60)
+    spec = LocalStepSpec(k=2, params=AlgorithmParams(k=2, max_rows_per_device=60), dim=2, device_type=pa.int64())
 
     def centers_from(rows, batch_size):
         batches = [rows_batch([4] * len(rows[i : i + batch_size]), rows[i : i + batch_size])
@@ -104,7 +105,8 @@ def test_rows_with_a_reason_or_non_finite_values_pass_through_unlabelled():
 
 def test_local_step_skips_non_finite_rows():
     x = np.array([[0.0], [np.nan], [10.0], [np.inf]])
-    spec = LocalStepSpec(k=2, seed=0, max_iter=10, tol=0.0, dim=1, device_type=pa.int64(), max_rows=100)
+    spec = LocalStepSpec(k=2, params=AlgorithmParams(k=2, max_iter=10, tol=0.0, max_rows_per_device=100), dim=1,
+                         device_type=pa.int64())
     out = pa.Table.from_batches(list(local_centers_from_batches(iter([rows_batch([1, 1, 1, 1], x)]), spec)))
     assert out.column("center").to_pylist() == [[0.0], [10.0]]
     assert out.column("n_points").to_pylist() == [1, 1]
