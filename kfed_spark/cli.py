@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="ARI, NMI and cost of k-FED variants, MLlib and scikit-learn on the real datasets and a mixture",
     )
     quality.add_argument("--datasets", help=f"comma-separated names among {', '.join(DATASETS)}, mixture, "
-                         "mixture-iid, mixture-outliers (default: all)")
+                         "mixture-iid, mixture-outliers, close-means (default: all)")
     quality.add_argument("--out", default="kfed-quality", help="folder for quality.json and quality.md")
     quality.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
     quality.add_argument("--max-devices", type=int, help="use only this many devices of each real dataset")

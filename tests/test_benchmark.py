@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kfed_spark.bench.benchmark import benchmark, write_report
+from kfed_spark.bench.benchmark import ONE_RESTART, benchmark, write_report
 from kfed_spark.bench.synthetic import write_mixture
 
 
@@ -18,36 +18,41 @@ def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     names = [e.name for e in report.entries]
     assert names == [
         "k-FED on Spark, end to end",
+        ONE_RESTART,
         "k-FED without Spark (floor): pyarrow + numpy",
         "Spark MLlib KMeans, fit only",
         "Spark MLlib KMeans, fit + transform + Delta write",
         "scikit-learn KMeans, all rows in one process",
     ]
-    kfed, floor = report.entries[0], report.entries[1]
+    kfed, one_restart, floor = report.entries[:3]
     assert kfed.ari == floor.ari and abs(kfed.cost - floor.cost) <= 1e-9 * floor.cost  # same kernels, same seeds
     assert kfed.ari > 0.95 and kfed.cost_ratio < 1.05
     assert set(kfed.stages) >= {"validate", "local_step", "server_step", "labels", "other_tables"}
     assert all(e.seconds > 0 and e.rows_per_second > 0 for e in report.entries)
-    assert len(report.ratios) == 5
+    assert one_restart.ari > 0.95 and "local_step" in one_restart.stages
+    assert len(report.ratios) == 6
     passes = report.spark_passes
     assert all(seconds > 0 for seconds in passes.values()) and len(passes) == 4
 
     saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
-    assert saved["rows"] == 1200 and len(saved["entries"]) == 5 and saved["repeats"] == 2
+    assert saved["rows"] == 1200 and len(saved["entries"]) == 6 and saved["repeats"] == 2
     markdown = (tmp_path / "bench" / "benchmark.md").read_text()
     assert "| k-FED on Spark, end to end |" in markdown and "MLlib fit time / k-FED end-to-end time" in markdown
     assert "| read -> Delta write |" in markdown
 
 
-def test_server_benchmark_times_both_refinements(capsys):
+def test_server_benchmark_times_both_seeding_rules_and_refinements(capsys):
     from kfed_spark.cli import main
 
     assert main(["bench-server", "--devices", "200", "--per-device", "3", "--k", "10", "--dim", "4"]) == 0
     lines = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
     assert float(lines["local_centers"]) == 600 and float(lines["k"]) == 10
-    assert {"seconds, server_refine=none", "seconds, server_refine=lloyd"} <= set(lines)
-    assert float(lines["refine rounds, server_refine=none"]) == 0
-    assert float(lines["refine rounds, server_refine=lloyd"]) >= 1
+    for seeding in ("farthest", "kmeanspp"):
+        assert float(lines[f"refine rounds, seeding={seeding} server_refine=none"]) == 0
+        assert float(lines[f"refine rounds, seeding={seeding} server_refine=lloyd"]) >= 1
+        assert float(lines[f"weighted cost, seeding={seeding} server_refine=lloyd"]) <= float(
+            lines[f"weighted cost, seeding={seeding} server_refine=none"])
+    assert float(lines["kmeanspp / farthest seconds, server_refine=lloyd"]) > 0
 
 
 def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path):

@@ -7,26 +7,37 @@ from kfed_spark.cli import main
 from helpers import needs_shared_data
 
 
-@needs_shared_data
-def test_bench_quality_table_on_a_real_slice_and_the_outlier_mixture(spark, tmp_path, capsys):
+def bench_quality_rows(out, datasets):
+    assert main(["bench-quality", "--datasets", datasets, "--max-devices", "20", "--out", str(out)]) == 0
+    return json.loads((out / "quality.json").read_text())
+
+
+def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
     out = tmp_path / "quality"
-    assert main(["bench-quality", "--datasets", "mnist,mixture-outliers", "--max-devices", "20",
-                 "--out", str(out)]) == 0
-    rows = json.loads((out / "quality.json").read_text())
-    assert {row["dataset"] for row in rows} == {"mnist", "mixture-outliers"}
+    rows = bench_quality_rows(out, "mixture,mixture-outliers")
+    assert {row["dataset"] for row in rows} == {"mixture", "mixture-outliers"}
     methods = {row["method"] for row in rows}
     assert "Spark MLlib KMeans (k-means||)" in methods and "scikit-learn KMeans (k-means++)" in methods
-    assert sum(1 for row in rows if row["dataset"] == "mnist") == 9  # 6 fixed-k_z k-FED, 1 auto, MLlib, sklearn
+    assert sum(1 for row in rows if row["dataset"] == "mixture") == 27  # 24 combinations, auto, MLlib, sklearn
     for row in rows:
         assert -1.0 <= row["ari"] <= 1.0 and 0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0
     outliers = {row["method"]: row for row in rows if row["dataset"] == "mixture-outliers" and row["k_per_device"] == "4"}
-    # Outlier devices take farthest-point seeds; robust seeding ignores them.
-    assert outliers["k-FED seeding=robust refine=lloyd labels=induced"]["ari"] >= 0.95
-    assert outliers["k-FED seeding=farthest refine=lloyd labels=induced"]["ari"] < 0.8
+    # Outlier devices take farthest-point seeds; the filter leaves them out, with either seeding rule.
+    for rule in ("farthest", "kmeanspp"):
+        assert outliers[f"k-FED restarts=1 filter=0.25 seeding={rule} labels=induced"]["ari"] >= 0.95
+    assert outliers["k-FED restarts=1 filter=0 seeding=farthest labels=induced"]["ari"] < 0.8
     markdown = (out / "quality.md").read_text()
-    assert markdown.count("\n| mnist |") == 9 and "| dataset | method |" in markdown
+    assert markdown.count("\n| mixture |") == 27 and "| dataset | method |" in markdown
+    assert "| combination | mixture | mixture-outliers | largest shortfall from the best |" in markdown
+    assert "(default)" in markdown and "Smallest largest shortfall: k-FED " in markdown
     assert main(["bench-quality", "--datasets", "cifar", "--out", str(out)]) == 2
     assert "--datasets takes names from" in capsys.readouterr().err
+
+
+@needs_shared_data
+def test_bench_quality_on_a_real_slice(spark, tmp_path):
+    rows = bench_quality_rows(tmp_path / "quality", "mnist")
+    assert len(rows) == 27 and all(0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0 for row in rows)
 
 
 @needs_shared_data

@@ -24,7 +24,7 @@ from kfed_spark.workers import feature_matrix
 from kfed_spark.config import build_config
 from kfed_spark.kernels import federated_kmeans, server_step
 from kfed_spark.metrics import adjusted_rand_index, cost_of_labels
-from kfed_spark.params import AlgorithmParams
+from kfed_spark.params import DEFAULTS, AlgorithmParams
 
 log = logging.getLogger("kfed_spark")
 
@@ -96,8 +96,11 @@ def _timed(fn):
     return value, time.perf_counter() - start
 
 
+ONE_RESTART = "k-FED on Spark, end to end, one local restart (before local_restarts)"
+
+
 def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
-                   run_id: str) -> tuple[Entry, np.ndarray]:
+                   run_id: str, local_restarts: int = DEFAULTS.local_restarts) -> tuple[Entry, np.ndarray]:
     from pyspark.sql import functions as F
 
     from kfed_spark.io import OutputTables
@@ -110,6 +113,7 @@ def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed:
             "k": k,
             "k_per_device": k_per_device,
             "seed": seed,
+            "local_restarts": local_restarts,
             "run_id": run_id,
             "report": False,  # timed here: read -> labels in Delta; the report is extra work
         }
@@ -119,7 +123,8 @@ def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed:
         OutputTables(spark, cfg.output).published("labels").filter(F.col("run_id") == run_id)
         .select("row_id", "cluster_id").toPandas().sort_values("row_id").cluster_id.to_numpy()
     )
-    return Entry("k-FED on Spark, end to end", seconds, result.cost, 0.0, result.timings), labels
+    name = "k-FED on Spark, end to end" if local_restarts == DEFAULTS.local_restarts else ONE_RESTART
+    return Entry(name, seconds, result.cost, 0.0, result.timings), labels
 
 
 SHAPE_OF_KFED = "the two passes k-FED makes, together"
@@ -266,12 +271,18 @@ def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
         (run_kfed_spark(spark, data, out, k, k_per_device, seed, f"bench-{attempt}") for attempt in range(repeats)),
         key=lambda result: result[0].seconds,
     )
+    one_restart, one_restart_labels = min(
+        (run_kfed_spark(spark, data, out, k, k_per_device, seed, f"bench-one-restart-{attempt}", local_restarts=1)
+         for attempt in range(repeats)),
+        key=lambda result: result[0].seconds,
+    )
     runs_of_passes = [time_spark_passes(spark, data, out) for _ in range(repeats)]
     spark_passes = {name: min(passes[name] for passes in runs_of_passes) for name in runs_of_passes[0]}
     floor, floor_labels = fastest(repeats, lambda: run_floor(data, out, k, k_per_device, seed))
     fit, mllib_total, mllib_labels = fastest(repeats, lambda: run_mllib(spark, data, out, k, seed),
                                              lambda result: result[1].seconds)
-    measured = [(kfed, kfed_labels), (floor, floor_labels), (fit, mllib_labels), (mllib_total, mllib_labels)]
+    measured = [(kfed, kfed_labels), (one_restart, one_restart_labels), (floor, floor_labels), (fit, mllib_labels),
+                (mllib_total, mllib_labels)]
     if with_sklearn:
         sklearn, sklearn_labels = fastest(repeats, lambda: run_sklearn(x, k, seed))
         measured.append((sklearn, sklearn_labels))
@@ -285,6 +296,8 @@ def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
         f"Spark passes without clustering ({SHAPE_OF_KFED}) / no-Spark floor time":
             spark_passes[SHAPE_OF_KFED] / floor.seconds,
         "k-FED cost / MLlib cost (target <= 1)": kfed.cost / fit.cost,
+        f"k-FED local step, {DEFAULTS.local_restarts} local restarts / one (target <= 1.5)":
+            kfed.stages["local_step"] / one_restart.stages["local_step"],
     }
     if with_sklearn:
         ratios["k-FED cost / scikit-learn cost (target <= 1)"] = kfed.cost / sklearn.cost
@@ -298,7 +311,8 @@ def write_report(report: Report, out: Path) -> None:
 
 
 def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int) -> dict[str, float]:
-    """Time alg. 2 alone on devices x per_device local centers drawn around k means (no Spark)."""
+    """Time alg. 2 alone on devices x per_device local centers drawn around k means (no Spark), with
+    each seeding rule and refinement, and the ratio of each k-means++ time to the farthest-point one."""
     rng = np.random.default_rng(seed)
     means = rng.normal(0.0, 4.0, size=(k, dim))
     centers = means[rng.integers(0, k, size=devices * per_device)] + 0.1 * rng.standard_normal((devices * per_device, dim))
@@ -307,8 +321,15 @@ def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int)
     local_ids = np.tile(np.arange(per_device), devices)
     timings = {"local_centers": float(devices * per_device), "k": float(k)}
     for refine in ("none", "lloyd"):
-        result, seconds = _timed(lambda: server_step(centers, counts, device_ids, local_ids,
-                                                   AlgorithmParams(k=k, server_refine=refine)))
-        timings[f"seconds, server_refine={refine}"] = round(seconds, 3)
-        timings[f"refine rounds, server_refine={refine}"] = float(result.refine_iterations)
+        for seeding in ("farthest", "kmeanspp"):
+            params = AlgorithmParams(k=k, seeding=seeding, server_refine=refine)
+            result, seconds = _timed(lambda: server_step(centers, counts, device_ids, local_ids, params))
+            timings[f"seconds, seeding={seeding} server_refine={refine}"] = round(seconds, 3)
+            timings[f"refine rounds, seeding={seeding} server_refine={refine}"] = float(result.refine_iterations)
+            assigned = centers - result.centers[result.assignment]
+            timings[f"weighted cost, seeding={seeding} server_refine={refine}"] = float(
+                np.einsum("ij,ij->i", assigned, assigned) @ counts)
+        timings[f"kmeanspp / farthest seconds, server_refine={refine}"] = round(
+            timings[f"seconds, seeding=kmeanspp server_refine={refine}"]
+            / timings[f"seconds, seeding=farthest server_refine={refine}"], 3)
     return timings

@@ -1,5 +1,6 @@
-"""Clustering quality side by side: k-FED variants, Spark MLlib KMeans and scikit-learn KMeans
-on the real datasets and on one synthetic mixture partitioned two ways.
+"""Clustering quality side by side: k-FED's combinations of settings, Spark MLlib KMeans and
+scikit-learn KMeans on the real datasets, one synthetic mixture partitioned three ways and a
+mixture with close means and uneven devices.
 
 k-FED runs as federated_kmeans (the same kernels as the Spark job, which a test holds equal to
 it row for row); MLlib runs on Spark. Quality only: for speed see benchmark.py.
@@ -7,6 +8,7 @@ it row for row); MLlib runs on Spark. Quality only: for speed see benchmark.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -18,34 +20,38 @@ import pyarrow.parquet as pq
 
 from kfed_spark.workers import feature_matrix, features_array
 from kfed_spark.bench.datasets import DATASETS, load
-from kfed_spark.kernels import device_rng, federated_kmeans
+from kfed_spark.kernels import device_rng, federated_kmeans, local_clusterings
 from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
-from kfed_spark.params import AlgorithmParams
-from kfed_spark.bench.synthetic import MEAN_SCALE, mixture
+from kfed_spark.params import DEFAULTS, LABEL_MODES, AlgorithmParams
+from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
 OUTLIER_DEVICES = 10
 OUTLIER_ROWS = 3
 """mixture-outliers adds this many devices of this many rows each, far from every cluster."""
 
-SYNTHETIC_PROBLEMS = ("mixture", "mixture-iid", "mixture-outliers")
+SYNTHETIC_PROBLEMS = ("mixture", "mixture-iid", "mixture-outliers", "close-means")
 PROBLEMS = (*DATASETS, *SYNTHETIC_PROBLEMS)
 
-K_PER_DEVICE = {"femnist": 10, "mnist": 2, "shakespeare": 1, "mixture": 4, "mixture-iid": 16, "mixture-outliers": 4}
+K_PER_DEVICE = {"femnist": 10, "mnist": 2, "shakespeare": 1, "mixture": 4, "mixture-iid": 16, "mixture-outliers": 4,
+                "close-means": 7}
 """The fixed k_z each dataset is clustered with: rotated MNIST devices hold 2 digits by
 construction, a Shakespeare role speaks in one play, a FEMNIST writer writes most classes
 (10 is a budget, not a truth), the IID partition puts every cluster on every device."""
 
-KFED_VARIANTS = [
-    ("robust", "lloyd", "induced"),
-    ("robust", "lloyd", "nearest"),
-    ("robust", "none", "induced"),
-    ("robust", "none", "nearest"),
-    ("farthest", "lloyd", "induced"),
-    ("kmeanspp", "lloyd", "induced"),
-]
-"""(seeding, server_refine, label_mode): the default seeding with every refinement and label
-mode, then the other two seedings."""
+RESTARTS_TRIED = (1, 3, 5)
+FILTERS_TRIED = (0.0, 0.25)
+SEEDING_RULES = ("farthest", "kmeanspp")
+COMBINATIONS = list(itertools.product(RESTARTS_TRIED, FILTERS_TRIED, SEEDING_RULES, LABEL_MODES))
+"""(local_restarts, robust_min_size, seeding, label_mode): every k-FED combination the table reports,
+all with server_refine=lloyd."""
+
+
+def combination_name(restarts: int, min_size: float, seeding: str, label_mode: str) -> str:
+    default = (restarts, min_size, seeding, label_mode) == (
+        DEFAULTS.local_restarts, DEFAULTS.robust_min_size, DEFAULTS.seeding, DEFAULTS.label_mode)
+    return (f"k-FED restarts={restarts} filter={min_size:g} seeding={seeding} labels={label_mode}"
+            + (" (default)" if default else ""))
 
 
 @dataclass
@@ -73,7 +79,11 @@ class Problem:
 def problems(names: list[str], data_dir: str | None, max_devices: int | None, seed: int) -> list[Problem]:
     found = []
     for name in names:
-        if name in SYNTHETIC_PROBLEMS:
+        if name == "close-means":
+            table = close_means_mixture(seed)
+            devices = table.column("device_id").to_numpy()
+            k = len(np.unique(table.column("true_cluster").to_numpy()))
+        elif name in SYNTHETIC_PROBLEMS:
             table = mixture(**SYNTHETIC, seed=seed)
             devices = table.column("device_id").to_numpy()
             if name == "mixture-iid":  # the same rows dealt to devices at random
@@ -115,18 +125,23 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> list[QualityRo
         rows.append(QualityRow(problem.name, method, problem.k, k_per_device, ari_of(cells), nmi_of(cells),
                                cost_of_labels(problem.x, labels), 0.0, round(seconds, 2)))
 
-    k_z = K_PER_DEVICE.get(problem.name, 2)
-    for seeding, refine, label_mode in KFED_VARIANTS:
+    k_z = min(K_PER_DEVICE.get(problem.name, 2), problem.k)
+    for restarts in RESTARTS_TRIED:  # the local step depends on the restarts only: run it once for each
         start = time.perf_counter()
-        params = AlgorithmParams(k=problem.k, k_per_device=min(k_z, problem.k), seed=seed, seeding=seeding,
-                                 server_refine=refine, label_mode=label_mode)
-        result = federated_kmeans(problem.x, problem.devices, params)
-        add(f"k-FED seeding={seeding} refine={refine} labels={label_mode}", str(k_z), result.labels,
-            time.perf_counter() - start)
+        local_params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed, local_restarts=restarts)
+        local = local_clusterings(problem.x, problem.devices, local_params)
+        local_seconds = time.perf_counter() - start
+        for _, min_size, seeding, label_mode in (c for c in COMBINATIONS if c[0] == restarts):
+            start = time.perf_counter()
+            params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed, local_restarts=restarts,
+                                     robust_min_size=min_size, seeding=seeding, label_mode=label_mode)
+            result = federated_kmeans(problem.x, problem.devices, params, local)
+            add(combination_name(restarts, min_size, seeding, label_mode), str(k_z), result.labels,
+                local_seconds + time.perf_counter() - start)
     start = time.perf_counter()
     params = AlgorithmParams(k=problem.k, k_per_device="auto", seed=seed)
     result = federated_kmeans(problem.x, problem.devices, params)
-    add("k-FED seeding=robust refine=lloyd labels=induced", "auto", result.labels, time.perf_counter() - start)
+    add("k-FED default settings", "auto", result.labels, time.perf_counter() - start)
     add("Spark MLlib KMeans (k-means||)", "-", *mllib_labels(spark, problem, seed, folder))
     add("scikit-learn KMeans (k-means++)", "-", *sklearn_labels(problem, seed))
     reference = rows[-1].cost
@@ -160,9 +175,35 @@ def sklearn_labels(problem: Problem, seed: int) -> tuple[np.ndarray, float]:
     return labels, time.perf_counter() - start
 
 
-def markdown(rows: list[QualityRow], command: str) -> str:
+def combination_summary(rows: list[QualityRow]) -> tuple[list[str], str]:
+    """ARI of every k-FED combination on every dataset (markdown lines), and the combination whose
+    largest shortfall from the best combination on any dataset is smallest."""
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
+    names = [combination_name(*c) for c in COMBINATIONS]
+    ari = {(r.dataset, r.method): r.ari for r in rows if r.method in names}
+    best = {d: max(ari[d, n] for n in names) for d in datasets}
+    shortfall = {n: max(best[d] - ari[d, n] for d in datasets) for n in names}
     lines = [
-        f"`{command}`; cost ratio = k-means cost / scikit-learn's on the same rows (lower is better)",
+        "| combination | " + " | ".join(datasets) + " | largest shortfall from the best |",
+        "| --- | " + " | ".join("---:" for _ in datasets) + " | ---: |",
+    ]
+    lines += [f"| {n} | " + " | ".join(f"{ari[d, n]:.3f}" for d in datasets) + f" | {shortfall[n]:.3f} |"
+              for n in names]
+    return lines, min(names, key=lambda n: shortfall[n])
+
+
+def markdown(rows: list[QualityRow], command: str) -> str:
+    summary, most_even = combination_summary(rows)
+    lines = [
+        f"`{command}`: ARI of every k-FED combination (local restarts, outlier filter robust_min_size, seeding "
+        "rule, label mode; server_refine=lloyd); the shortfall is the largest gap to the best combination on "
+        "any dataset",
+        "",
+        *summary,
+        "",
+        f"Smallest largest shortfall: {most_even}",
+        "",
+        "All rows; cost ratio = k-means cost / scikit-learn's on the same rows (lower is better)",
         "",
         "| dataset | method | k | k_z | ARI | NMI | cost ratio | seconds |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",

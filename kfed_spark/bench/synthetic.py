@@ -51,6 +51,36 @@ def mixture(
     return pa.table(columns)
 
 
+CLOSE_SEPARATION = 4.0 * np.sqrt(2.0)
+"""close_means_mixture: the median distance from a cluster mean to its nearest other mean, in noise
+standard deviations (two clusters' 2-sigma spheres touch along the line between them)."""
+
+
+def close_means_mixture(seed: int, k: int = 49, per_device: int = 7, devices: int = 300, dim: int = 32,
+                        rows: tuple[int, int] = (50, 800)) -> pa.Table:
+    """A harder heterogeneous mixture: close cluster means (CLOSE_SEPARATION) and uneven devices,
+    each holding per_device of the k clusters and rows[0] to rows[1] rows. Columns as mixture()."""
+    means = np.random.default_rng([seed, 0xC105E]).normal(size=(k, dim))
+    gaps = np.sqrt(((means[:, None] - means[None]) ** 2).sum(axis=2))
+    np.fill_diagonal(gaps, np.inf)
+    means *= CLOSE_SEPARATION / np.median(gaps.min(axis=1))
+    parts, truths, owners = [], [], []
+    for device in range(devices):
+        rng = device_rng(seed, ("close-means", device))
+        held = rng.choice(k, size=per_device, replace=False)
+        truth = held[rng.integers(0, per_device, size=int(rng.integers(rows[0], rows[1] + 1)))]
+        parts.append(means[truth] + rng.standard_normal((len(truth), dim)))
+        truths.append(truth.astype(np.int32))
+        owners.append(np.full(len(truth), device, dtype=np.int64))
+    features = np.concatenate(parts)
+    return pa.table({
+        "row_id": pa.array(np.arange(len(features), dtype=np.int64)),
+        "device_id": pa.array(np.concatenate(owners)),
+        "features": features_array(features),
+        "true_cluster": pa.array(np.concatenate(truths)),
+    })
+
+
 def write_mixture(path: str | Path, **kwargs) -> pa.Table:
     """Write mixture(**kwargs) as one Parquet file inside the folder path; returns the table."""
     table = mixture(**kwargs)
