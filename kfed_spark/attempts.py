@@ -84,6 +84,9 @@ RUNS_SCHEMA = StructType(
         StructField("timings", MapType(StringType(), DoubleType()), False),
         StructField("config", StringType(), False),
         StructField("versions", MapType(StringType(), StringType()), False),
+        # Added after the first release: null in the rows of older versions (io.OutputTables.prepare adds them).
+        StructField("local_restarts", IntegerType(), True),
+        StructField("robust_min_size", DoubleType(), True),
     ]
 )
 

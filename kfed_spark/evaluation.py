@@ -1,8 +1,10 @@
-"""A run's evaluation, gathered in the pass that labels the rows instead of passes of its own.
+"""What a run reports about its rows, gathered in the pass that labels them instead of passes of
+its own: the device profiles (the device_clusters table) and the evaluation.
 
-Each Python worker adds up, over the labelled rows of its partition, the truth x cluster counts,
-each truth class's moments (rows, sum, sum of squared norms) and the rows whose seeded hash falls
-under a threshold (the report's sample). It hands them to Spark as one small blob on the partition's
+Each Python worker adds up, over the labelled rows of its partition, each (device, global cluster)
+pair's rows and squared distances to the global center, the truth x cluster counts, each truth
+class's moments (rows, sum, sum of squared norms) and the rows whose seeded hash falls under a
+threshold (the report's sample). It hands them to Spark as one small blob on the partition's
 last row; the driver collects the blobs with an Observation and merges them (Evaluation.merge). The
 same rows, figures and sample come out however the rows are partitioned. Pure numpy and pandas.
 """
@@ -45,12 +47,19 @@ class PartitionEvaluation:
 
     def __init__(self, spec: EvaluationSpec):
         self.spec = spec
+        self.profiles: list[pd.DataFrame] = []
         self.cells: list[pd.Series] = []
         self.moments: list[pd.DataFrame] = []
         self.sample: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
-    def add(self, truth: pa.Array | None, x: np.ndarray, cluster: np.ndarray) -> None:
-        """Labelled rows: their truth values (None without a truth column), features and clusters."""
+    def add(
+        self, devices: np.ndarray, truth: pa.Array | None, x: np.ndarray, cluster: np.ndarray, sq_dist: np.ndarray
+    ) -> None:
+        """Labelled rows: their devices, truth values (None without a truth column), features, clusters
+        and squared distances to their global centers."""
+        if len(x):
+            pairs = pd.DataFrame({"n_points": 1, "sum_sq_dist": sq_dist}).groupby([devices, cluster]).sum()
+            self.profiles.append(pairs)
         if self.spec.sample_below:
             hashes = row_hashes(x, self.spec.seed)
             chosen = hashes < np.uint64(self.spec.sample_below)
@@ -67,6 +76,7 @@ class PartitionEvaluation:
     def to_bytes(self) -> bytes:
         return pickle.dumps(
             (
+                _added(self.profiles),
                 _added(self.cells),
                 _added(self.moments),
                 tuple(np.concatenate(part) for part in zip(*self.sample)) if self.sample else None,
@@ -82,9 +92,11 @@ def _added(parts: list):
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The merged figures: truth x cluster counts and the planted clusters' cost (None without a
-    truth column), and the sampled rows with their clusters."""
+    """The merged figures: every (device, cluster) pair's rows and sum of squared distances
+    (device_clusters, indexed by the pair), truth x cluster counts and the planted clusters' cost
+    (None without a truth column), and the sampled rows with their clusters."""
 
+    device_clusters: pd.DataFrame
     cells: np.ndarray | None
     truth_cost: float | None
     sample_x: np.ndarray
@@ -93,18 +105,22 @@ class Evaluation:
     @classmethod
     def merge(cls, blobs: list[bytes], sample_rows: int, dim: int) -> Evaluation:
         parts = [pickle.loads(bytes(blob)) for blob in blobs]
-        cells = _added([p[0] for p in parts if p[0] is not None])
-        moments = _added([p[1] for p in parts if p[1] is not None])
-        samples = [p[2] for p in parts if p[2] is not None]
+        profiles = _added([p[0] for p in parts if p[0] is not None])
+        if profiles is None:
+            no_pairs = pd.MultiIndex.from_arrays([[], np.empty(0, np.int64)])
+            profiles = pd.DataFrame({"n_points": [], "sum_sq_dist": []}, index=no_pairs, dtype=np.float64)
+        cells = _added([p[1] for p in parts if p[1] is not None])
+        moments = _added([p[2] for p in parts if p[2] is not None])
+        samples = [p[3] for p in parts if p[3] is not None]
         hashes, x, labels = (
             (np.concatenate(column) for column in zip(*samples))
             if samples else (np.empty(0, np.uint64), np.empty((0, dim)), np.empty(0, np.int64))
         )
         keep = np.lexsort((labels, hashes))[:sample_rows]  # by hash: the same whatever the partitions
         if cells is None:
-            return cls(None, None, x[keep], labels[keep])
+            return cls(profiles, None, None, x[keep], labels[keep])
         classes, clusters = (cells.index.get_level_values(level).to_numpy() for level in (0, 1))
         truth_cost = within_cluster_cost(
             moments["n"].to_numpy(), moments[list(range(dim))].to_numpy(), moments["sum_sq"].to_numpy()
         )
-        return cls(contingency(classes, clusters, cells.to_numpy()), truth_cost, x[keep], labels[keep])
+        return cls(profiles, contingency(classes, clusters, cells.to_numpy()), truth_cost, x[keep], labels[keep])

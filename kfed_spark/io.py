@@ -27,7 +27,7 @@ from kfed_spark.errors import InputError, KFedError, first_line
 
 log = logging.getLogger("kfed_spark")
 
-TABLES = ("labels", "centers", "local_centers", "quarantine", "runs")
+TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "runs")
 DATA_TABLES = TABLES[:-1]
 """The tables whose rows belong to one attempt of a run; `runs` says which attempts are published."""
 PARTITION_COLUMNS = ("run_id", "attempt_id")
@@ -54,6 +54,8 @@ TABLE_COMMENTS = {
     "local_centers": "k-FED: the local centers each device shared (the only data that left a device), with "
                      "the global cluster each one joined",
     "quarantine": "k-FED: input rows that could not be clustered, with the reason",
+    "device_clusters": "k-FED: each device's profile, one row per device and global cluster it has rows in "
+                       "(for per-cluster models and client selection)",
     "runs": "k-FED: one row per attempt of a run; the succeeded attempt with the highest publish_seq of a "
             "run_id is the published one",
 }
@@ -78,7 +80,11 @@ COLUMN_COMMENTS = {
     "k": "global clusters asked for",
     "k_per_device": "local clusters per device: a number, a column or auto",
     "seed": "the run seed; every random draw is seeded from it and the device id",
-    "seeding": "how the local step seeds its clusters",
+    "seeding": "the server step's seeding rule (kmeanspp or farthest)",
+    "robust_min_size": "the server step's outlier filter (0: off); null in rows of older versions",
+    "local_restarts": "rough clusterings each device tried in its projection; null in rows of older versions",
+    "device_share": "the share of the device's labelled rows that are in the cluster",
+    "mean_sq_distance": "mean squared distance of the device's rows in the cluster to the global center",
     "server_refine": "how the server step refines the merged centers (lloyd or none)",
     "label_mode": "how rows get their global cluster (induced from their local center, or nearest)",
     "dim": "number of features",
@@ -103,6 +109,9 @@ TABLE_COLUMN_COMMENTS = {
     ("local_centers", "device_id"): "the device",
     ("local_centers", "n_points"): "the device's rows in the local cluster",
     ("local_centers", "cluster_id"): "the global cluster the local center joined",
+    ("device_clusters", "device_id"): "the device",
+    ("device_clusters", "cluster_id"): "a global cluster the device has labelled rows in",
+    ("device_clusters", "n_points"): "the device's labelled rows in the cluster",
 }
 LOG_ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint(?:\.\d+\.\d+)?\.parquet|crc)$")
 """A commit, checkpoint or checksum file of a Delta log, by version."""
@@ -266,34 +275,50 @@ class OutputTables:
             )
         return True
 
-    def check_schema(self, name: str, schema: StructType) -> None:
-        """Fail before any work if a table already at the location has another schema."""
+    def check_schema(self, name: str, schema: StructType) -> list[StructField]:
+        """Fail before any work if a table already at the location has another schema. Returns the
+        nullable columns this version added that the table lacks (an older version wrote it), which
+        prepare adds."""
         try:
             existing_schema = self.read(name).schema
         except AnalysisException as exc:
             raise KFedError(f"cannot read output table {self.path(name)}: {first_line(exc)}") from None
         existing = {(f.name, f.dataType.simpleString()) for f in existing_schema.fields}
         wanted = {(f.name, f.dataType.simpleString()) for f in schema.fields}
-        if existing != wanted:
+        added = [f for f in schema.fields if (f.name, f.dataType.simpleString()) in wanted - existing]
+        if existing != wanted and not (existing < wanted and all(f.nullable for f in added)):
             extra = sorted(n for n, _ in existing - wanted)
             missing = sorted(n for n, _ in wanted - existing)
             raise KFedError(
                 f"output table {self.path(name)} holds another schema (columns only in the table: "
                 f"{extra or 'none'}; only in this run: {missing or 'none'}); use another output.path"
             )
+        return added
+
+    def _add_columns(self, name: str, added: list[StructField]) -> None:
+        columns = ", ".join(f"{f.name} {f.dataType.simpleString()} COMMENT {sql_string(column_comment(name, f.name))}"
+                            for f in added)
+        try:
+            self.spark.sql(f"ALTER TABLE delta.`{self.path(name)}` ADD COLUMNS ({columns})")
+            log.info("added %s to %s", ", ".join(f.name for f in added), self.path(name))
+        except AnalysisException:  # another run may have added them at the same moment
+            if not {f.name for f in added} <= set(self.read(name).schema.names):
+                raise
 
     def prepare(self, schemas: dict[str, StructType]) -> None:
         """Check every table of the location (intact log, same schema) and the folder (writable), then
-        create the missing tables, empty, partitioned by (run_id, attempt_id).
+        add the columns an older version's tables lack and create the missing tables, empty,
+        partitioned by (run_id, attempt_id).
 
         Two first runs may create a table at once: Delta lets one commit version 0 and the other
         fails with a protocol or metadata conflict; the loser finds the table there and goes on.
         """
         present = {name: self.check_log(name) for name in schemas}
-        for name, schema in schemas.items():
-            if present[name]:
-                self.check_schema(name, schema)
+        added = {name: self.check_schema(name, schema) for name, schema in schemas.items() if present[name]}
         self.check_writable()
+        for name, fields in added.items():
+            if fields:
+                self._add_columns(name, fields)
 
         def create(name: str) -> None:
             try:

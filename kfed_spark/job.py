@@ -55,6 +55,14 @@ CENTERS_FIELDS = [
 
 CENTERS_COLUMNS = [f.name for f in CENTERS_FIELDS]
 
+DEVICE_CLUSTER_FIELDS = [
+    StructField("cluster_id", IntegerType(), False),
+    StructField("n_points", LongType(), False),
+    StructField("device_share", DoubleType(), False),
+    StructField("mean_sq_distance", DoubleType(), False),
+]
+"""device_clusters after device_id: one row per device and global cluster it has labelled rows in."""
+
 
 @dataclass
 class RunResult:
@@ -116,7 +124,7 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) 
         with timer.stage("labels"):
             counted, labelled = write_labels(tables, attempt, cfg, raw.schema, clustering)
         with timer.stage("other_tables"):
-            write_other_tables(tables, attempt, schemas, clustering, labelled, counted.n_quarantined)
+            write_other_tables(tables, attempt, schemas, clustering, labelled, counted)
         result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
         row.update(result_columns(result))
         if cfg.report:
@@ -146,6 +154,7 @@ def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructT
         "local_centers": StructType([device, *LOCAL_CENTER_FIELDS, StructField("cluster_id", IntegerType(), False),
                                      *tagged]),
         "quarantine": StructType(list(raw_schema.fields) + [StructField("reason", StringType(), False), *tagged]),
+        "device_clusters": StructType([device, *DEVICE_CLUSTER_FIELDS, *tagged]),
         "runs": RUNS_SCHEMA,
     }
 
@@ -256,18 +265,22 @@ def write_labels(
 
 def write_other_tables(
     tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], clustering: Clustering,
-    labelled: DataFrame, n_quarantined: int,
+    labelled: DataFrame, counted: LabelledRows,
 ) -> None:
-    """Append the attempt's local centers and global centers, and its quarantined rows if it has any."""
+    """Append the attempt's local centers, global centers and device profiles, and its quarantined
+    rows if it has any."""
     spark, local, server = labelled.sparkSession, clustering.local, clustering.server
     tag = attempt_columns(attempt)
     local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
+    profiles = device_clusters_table(counted.evaluation, local.table.schema.field("device_id").type)
     frames = {
         "local_centers": conform(spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2])
         .select("*", *tag),
         "centers": centers_frame(spark, server, local).select(*CENTERS_COLUMNS, *tag),
+        "device_clusters": conform(spark.createDataFrame(profiles), schemas["device_clusters"].fields[:-2])
+        .select("*", *tag),
     }
-    if n_quarantined:  # a second labelling pass, only for dirty inputs
+    if counted.n_quarantined:  # a second labelling pass, only for dirty inputs
         frames["quarantine"] = (
             labelled.filter(F.col(REASON_COL).isNotNull())
             .withColumnRenamed(REASON_COL, "reason")
@@ -275,6 +288,20 @@ def write_other_tables(
         )
     tables.append(frames, attempt.run_id, attempt.attempt_id)
     faults.point("tables")
+
+
+def device_clusters_table(evaluation: Evaluation, device_type: pa.DataType) -> pa.Table:
+    """The device_clusters rows from what the labelling pass added up per (device, cluster)."""
+    pairs = evaluation.device_clusters
+    n_points = pairs["n_points"].to_numpy().astype(np.int64)
+    per_device = pairs["n_points"].groupby(level=0).transform("sum").to_numpy()
+    return pa.table({
+        "device_id": pa.array(pairs.index.get_level_values(0), type=device_type),
+        "cluster_id": pa.array(pairs.index.get_level_values(1), type=pa.int32()),
+        "n_points": pa.array(n_points, type=pa.int64()),
+        "device_share": pa.array(n_points / per_device, type=pa.float64()),
+        "mean_sq_distance": pa.array(pairs["sum_sq_dist"].to_numpy() / n_points, type=pa.float64()),
+    })
 
 
 def run_result(
@@ -370,6 +397,8 @@ def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: st
         "seeding": cfg.seeding,
         "server_refine": cfg.server_refine,
         "label_mode": cfg.label_mode,
+        "local_restarts": cfg.local_restarts,
+        "robust_min_size": float(cfg.robust_min_size),
         **{name: None for name in RESULT_COLUMNS},
         "timings": {},
         "config": json.dumps(as_dict(cfg), sort_keys=True),
@@ -393,15 +422,16 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
     existing = []
     for name, schema in output_schemas(raw.schema, cfg.input.device_col).items():
         if tables.check_log(name):
-            tables.check_schema(name, schema)
-            existing.append(name)
+            added = tables.check_schema(name, schema)
+            existing.append(name + (f" (would add {', '.join(f.name for f in added)})" if added else ""))
     return "\n".join(
         [
             f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
             f"  columns: {', '.join(f'{f.name} {f.dataType.simpleString()}' for f in raw.schema.fields)}",
             f"  device column: {cfg.input.device_col}; features: {cfg.input.features_col} (dimension {dim})",
             f"k-FED: k = {cfg.k}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
-            f"seeding = {cfg.seeding}, server_refine = {cfg.server_refine}, label_mode = {cfg.label_mode}, "
+            f"local_restarts = {cfg.local_restarts}, seeding = {cfg.seeding}, robust_min_size = {cfg.robust_min_size}, "
+            f"server_refine = {cfg.server_refine}, label_mode = {cfg.label_mode}, "
             f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
             f"run id: {cfg.run_id or '(from the start time)'}",
             f"output: {tables.root}/{{{','.join(TABLES)}}}"

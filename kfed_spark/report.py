@@ -170,9 +170,11 @@ def _lines(report: dict) -> list[tuple[str, str]]:
         ("input", str(report["input"])),
         ("rows", f"{report['n_input']} in, {report['n_labelled']} labelled, {report['n_quarantined']} quarantined"),
         ("devices", f"{report['n_devices']} devices, {report['n_local_centers']} local centers"),
-        ("settings", f"k = {report['k']}, k_per_device = {report['k_per_device']}, seeding = {report['seeding']}, "
-                     f"server_refine = {report['server_refine']}, label_mode = {report['label_mode']}, "
-                     f"seed = {report['seed']}, d = {report['dim']}"),
+        ("settings", f"k = {report['k']}, k_per_device = {report['k_per_device']}, "
+                     + "".join(f"{name} = {report[name]}, " for name in ("local_restarts", "robust_min_size")
+                               if name in report)  # reports of older versions lack them
+                     + f"seeding = {report['seeding']}, server_refine = {report['server_refine']}, "
+                     f"label_mode = {report['label_mode']}, seed = {report['seed']}, d = {report['dim']}"),
         ("k-means cost", f"{report['cost']:.6g} ({report['cost'] / max(report['n_labelled'], 1):.4g} per row)"),
         ("k_z per device", _describe(report["k_z"])),
         ("global clusters per device", _describe(report["clusters_per_device"])),

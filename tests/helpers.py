@@ -86,6 +86,13 @@ DUCKDB_PUBLISHED_LABELS = _readme_duckdb_view()
 """The README's view of the published labels for DuckDB (over delta-rs datasets named labels and runs)."""
 
 
+def readme_device_profile_queries() -> list[str]:
+    """The README's two SQL queries on device_clusters: per-cluster training devices, client selection."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("```sql\n-- Devices to train each cluster's own model on") + len("```sql\n")
+    return [query.strip() for query in text[start:text.index("```", start)].split(";") if query.strip()]
+
+
 needs_shared_data = pytest.mark.skipif(
     not default_data_dir().is_dir(),
     reason=f"the real datasets are not at {default_data_dir()} (set KFED_DATA_DIR, or lay shared/ beside the clone)",

@@ -1,6 +1,7 @@
 """The whole job on real Spark (local mode) writing real Delta tables."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from kfed_spark.config import InputConfig
 from kfed_spark.io import TABLES, read_input
 from kfed_spark.kernels import federated_kmeans
 from kfed_spark.metrics import adjusted_rand_index
-from kfed_spark.params import AlgorithmParams
+from kfed_spark.params import DEFAULTS, AlgorithmParams
 
 from helpers import MIXTURE, ROOT, fitted_labels, labels_of, published, report_folder, run_cli, runs_of, write_empty_config
 
@@ -44,6 +45,13 @@ def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_
     assert centers.n_points.sum() == n_rows
     local = published(spark, out, "local_centers").toPandas()
     assert local.n_points.sum() == n_rows and local.groupby("device_id").size().max() <= MIXTURE["k_per_device"]
+    profiles = published(spark, out, "device_clusters").toPandas()
+    assert profiles.n_points.sum() == run.n_labelled
+    np.testing.assert_allclose(profiles.groupby("device_id").device_share.sum(), 1.0, rtol=1e-12)
+    held = labels.groupBy("device_id", "cluster_id").count().toPandas()
+    assert held.merge(profiles, on=["device_id", "cluster_id"]).eval("count == n_points").all()
+    assert len(held) == len(profiles)
+    assert (profiles.n_points * profiles.mean_sq_distance).sum() == pytest.approx(run.cost, rel=1e-9)
 
     # The reported cost is the k-means cost of the written labels against the written centers.
     table = pq.read_table(mixture_path).to_pandas().set_index("row_id")
@@ -93,6 +101,23 @@ def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_p
         "SELECT cluster_id, count(*) AS n FROM kfed_labels WHERE run_id = 'second' GROUP BY cluster_id"
     ).collect()
     assert len(sizes) == MIXTURE["k"] and sum(r.n for r in sizes) == n_rows
+
+
+def test_an_output_location_of_the_previous_version_gains_the_new_table_and_columns(spark, config, tmp_path):
+    """Written before device_clusters existed and before runs had local_restarts and robust_min_size."""
+    out = tmp_path / "out"
+    assert run_cli(config) == 0
+    runs_path = str(out / "runs")
+    older = spark.read.format("delta").load(runs_path).drop("local_restarts", "robust_min_size")
+    older.write.format("delta").mode("overwrite").option("overwriteSchema", "true").partitionBy(
+        "run_id", "attempt_id").save(runs_path)
+    shutil.rmtree(out / "device_clusters")
+    assert run_cli(config, "run_id=second") == 0
+    rows = {r.run_id: r for r in runs_of(spark, out)}
+    assert (rows["first"].local_restarts, rows["first"].robust_min_size) == (None, None)
+    assert rows["second"].local_restarts == DEFAULTS.local_restarts
+    assert rows["second"].robust_min_size == DEFAULTS.robust_min_size
+    assert published(spark, out, "device_clusters").filter("run_id = 'second'").count() > 0
 
 
 def test_vector_and_column_list_features_give_the_same_clustering(spark, tmp_path, mixture_path):

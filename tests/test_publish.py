@@ -22,7 +22,7 @@ from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.errors import KFedError
 from kfed_spark.faults import FAULT_ENV
-from kfed_spark.io import OutputTables
+from kfed_spark.io import DATA_TABLES, OutputTables
 
 from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, runs_of
 
@@ -61,7 +61,7 @@ def what_readers_see(spark, out, run_id="first"):
     tables = OutputTables(spark, OutputConfig(path=str(out)))
     seen = {}
     views = tables.register_views()
-    for name in ("labels", "centers", "local_centers", "quarantine", "latest_labels"):
+    for name in (*DATA_TABLES, "latest_labels"):
         rows = [] if name not in views else spark.sql(
             f"SELECT attempt_id, count(*) AS n FROM {name} WHERE run_id = '{run_id}' GROUP BY attempt_id").collect()
         seen[name] = {row.attempt_id: row.n for row in rows}
@@ -85,13 +85,14 @@ def assert_whole(seen, attempt, k, latest=True):
     """Every read path shows the whole of `attempt` (k clusters), or nothing when attempt is None;
     latest_labels shows it too when its run is the newest."""
     if attempt is None:
-        assert seen == {name: {} for name in ("labels", "centers", "local_centers", "quarantine", "latest_labels")} | {
+        assert seen == {name: {} for name in (*DATA_TABLES, "latest_labels")} | {
             "report": None, "duckdb": {}}
         return
     for name in ("labels", "latest_labels", "duckdb") if latest else ("labels", "duckdb"):
         assert seen[name] == {attempt: N_ROWS}, name
     assert seen["centers"] == {attempt: k}
     assert set(seen["local_centers"]) == {attempt}
+    assert set(seen["device_clusters"]) == {attempt}
     assert seen["quarantine"] == {}
     assert seen["report"] == attempt
 

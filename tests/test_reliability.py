@@ -104,7 +104,7 @@ def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_
     monkeypatch.setenv(FAULT_ENV, "fail:labels")
     assert run_cli(config, "run_id=second") == 2
     assert capsys.readouterr().err.strip().endswith("kfed-spark: error: injected failure at labels")
-    for name in ("labels", "centers", "local_centers", "quarantine"):
+    for name in ("labels", "centers", "local_centers", "quarantine", "device_clusters"):
         assert published(spark, out, name).filter(F.col("run_id") == "second").count() == 0, name
         assert spark.read.format("delta").load(str(out / name)).filter(F.col("run_id") == "second").count() == 0
     # A failed re-run of an existing run id leaves that run's published rows as they were.

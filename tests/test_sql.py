@@ -1,12 +1,14 @@
 """Querying the outputs: Spark SQL through the CLI and the catalog, DuckDB without Spark, and dry runs."""
 
 import duckdb
+import numpy as np
 from deltalake import DeltaTable
 
 from kfed_spark.cli import main
-from kfed_spark.io import TABLE_COMMENTS
+from kfed_spark.config import OutputConfig
+from kfed_spark.io import TABLE_COMMENTS, OutputTables
 
-from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, run_cli
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, readme_device_profile_queries, run_cli
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 
@@ -23,6 +25,28 @@ def test_sql_command_queries_the_tables_and_the_latest_run(spark, config, tmp_pa
     assert capsys.readouterr().out.split() == ["runs", "2"]
     assert main(["sql", "SELECT count(*) AS n FROM labels", "--config", str(config)]) == 0
     assert capsys.readouterr().out.split() == ["n", str(2 * N_ROWS)]
+
+
+def test_the_readme_s_device_profile_queries(spark, published_run, capsys):
+    """Per-cluster training devices and a client selection covering every cluster, as the README runs them."""
+    _, out = published_run
+    training, selection = readme_device_profile_queries()
+    tables = OutputTables(spark, OutputConfig(path=str(out)))
+    tables.register_views()
+    profiles = spark.sql("SELECT * FROM latest_device_clusters").toPandas()
+    per_cluster = spark.sql(training).toPandas()
+    assert list(per_cluster.cluster_id) == list(range(MIXTURE["k"]))  # every cluster has devices to train on
+    for row in per_cluster.itertuples():
+        mine = profiles[(profiles.cluster_id == row.cluster_id) & profiles.device_id.isin(row.devices)]
+        assert len(mine) == row.n_devices and mine.n_points.sum() == row.n_rows and (mine.device_share >= 0.2).all()
+    chosen = spark.sql(selection).toPandas()
+    assert set(chosen.cluster_id) == set(range(MIXTURE["k"]))
+    for cluster, picked in chosen.groupby("cluster_id"):
+        holders = profiles[profiles.cluster_id == cluster].n_points.sort_values(ascending=False).to_numpy()
+        needed = int(np.searchsorted(np.cumsum(holders), 0.5 * holders.sum())) + 1  # fewest devices for half
+        assert len(picked) == needed and picked.n_points.sum() >= 0.5 * holders.sum()
+    assert main(["sql", training, "--output", str(out)]) == 0
+    assert capsys.readouterr().out.split()[:4] == ["cluster_id", "n_devices", "n_rows", "devices"]
 
 
 def test_every_table_and_column_carries_a_comment(spark, published_run):
