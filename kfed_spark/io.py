@@ -10,12 +10,14 @@ go through the published views that this module defines.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
@@ -35,6 +37,8 @@ URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 """A scheme such as s3a:, file: or abfss: (anything else is a local path)."""
 REPORTS = "reports"
 """Folder under the output path holding reports/<run_id>/<attempt_id>/ for every attempt that wrote one."""
+WRITE_LOCKS = "_kfed_write_locks"
+"""Folder under a local output path holding one lock file per table (see OutputTables.writing)."""
 CSV_DEFAULTS = {"header": "true", "inferSchema": "true"}
 PUBLISHED_ATTEMPTS = (
     "SELECT run_id, max_by(attempt_id, publish_seq) AS attempt_id FROM {runs} "
@@ -299,7 +303,8 @@ class OutputTables:
         columns = ", ".join(f"{f.name} {f.dataType.simpleString()} COMMENT {sql_string(column_comment(name, f.name))}"
                             for f in added)
         try:
-            self.spark.sql(f"ALTER TABLE delta.`{self.path(name)}` ADD COLUMNS ({columns})")
+            with self.writing(name):
+                self.spark.sql(f"ALTER TABLE delta.`{self.path(name)}` ADD COLUMNS ({columns})")
             log.info("added %s to %s", ", ".join(f.name for f in added), self.path(name))
         except AnalysisException:  # another run may have added them at the same moment
             if not {f.name for f in added} <= set(self.read(name).schema.names):
@@ -334,6 +339,25 @@ class OutputTables:
 
     # -- writes -----------------------------------------------------------------------------------
 
+    @contextmanager
+    def writing(self, name: str) -> Iterator[None]:
+        """Hold the table's write lock while writing it, when the output is on a local disk.
+
+        Delta needs its log store to let only one writer create each commit file. On object stores
+        and HDFS the log store does; on a local disk it renames a temporary file into place, and
+        that rename overwrites, so two processes committing the same version at once both
+        "succeed" and one commit is lost. An exclusive OS lock per table makes the writes of
+        this machine's processes to that table take turns; Delta's conflict checks do the rest.
+        """
+        if URI_PATTERN.match(self.root) and not self.root.startswith("file:"):
+            yield
+            return
+        folder = os.path.join(self.root.removeprefix("file:"), WRITE_LOCKS)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or the process dies
+            yield
+
     def _create(self, name: str, schema: StructType) -> None:
         """Create a table, empty, with its comments and partitioning, in one commit (CREATE TABLE AS SELECT
         from an empty view carries any column type, Spark ML vectors included, and the comments)."""
@@ -342,17 +366,19 @@ class OutputTables:
                                 for f in schema.fields])
         self.spark.createDataFrame([], commented).createOrReplaceTempView(view)
         try:
-            self.spark.sql(
-                f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta "
-                f"PARTITIONED BY ({', '.join(PARTITION_COLUMNS)}) COMMENT {sql_string(TABLE_COMMENTS[name])} "
-                f"AS SELECT * FROM {view}"
-            )
+            with self.writing(name):
+                self.spark.sql(
+                    f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta "
+                    f"PARTITIONED BY ({', '.join(PARTITION_COLUMNS)}) COMMENT {sql_string(TABLE_COMMENTS[name])} "
+                    f"AS SELECT * FROM {view}"
+                )
         finally:
             self.spark.catalog.dropTempView(view)
 
     def _write(self, df: DataFrame, name: str, mode: str, note: str, **options: str) -> None:
         writer = df.write.format("delta").partitionBy(*PARTITION_COLUMNS).mode(mode).option("userMetadata", note)
-        writer.options(**options).save(self.path(name))
+        with self.writing(name):
+            writer.options(**options).save(self.path(name))
 
     def append(self, frames: dict[str, DataFrame], run_id: str, attempt_id: str) -> None:
         """Append an attempt's rows to several tables, each one commit, the commits made concurrently.
@@ -391,10 +417,11 @@ class OutputTables:
     def delete_attempt(self, run_id: str, attempt_id: str) -> None:
         """Remove an unpublished attempt's rows from every data table (metadata-only: whole
         partitions) and its report files."""
-        _concurrently(
-            lambda name: self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}"),
-            list(DATA_TABLES),
-        )
+        def delete(name: str) -> None:
+            with self.writing(name):
+                self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}")
+
+        _concurrently(delete, list(DATA_TABLES))
         located = _filesystem(self.report_dir(run_id, attempt_id))
         if located is not None:
             filesystem, folder = located

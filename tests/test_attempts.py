@@ -38,3 +38,47 @@ def test_a_process_is_gone_only_when_certain():
     assert process_gone(host, int(finished.stdout))
     assert not process_gone(host, os.getpid())  # this process
     assert not process_gone("another-host", int(finished.stdout))  # cannot tell: not gone
+
+
+def test_writes_to_one_table_on_a_local_disk_take_turns_across_processes(tmp_path, monkeypatch):
+    """Delta on a local disk cannot stop two processes committing the same version (the rename
+    overwrites): OutputTables.writing makes them take turns per table, and only per table."""
+    import subprocess
+    import sys
+    import threading
+
+    from kfed_spark.config import OutputConfig
+    from kfed_spark.io import OutputTables
+
+    out = str(tmp_path / "out")
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys\n"
+         "from kfed_spark.config import OutputConfig\n"
+         "from kfed_spark.io import OutputTables\n"
+         f"with OutputTables(None, OutputConfig(path={out!r})).writing('runs'):\n"
+         "    print('holding', flush=True)\n"
+         "    sys.stdin.readline()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert holder.stdout.readline().strip() == "holding"
+    tables = OutputTables(None, OutputConfig(path=out))
+    with tables.writing("labels"):  # another table: no wait
+        assert holder.poll() is None
+    entered = threading.Event()
+
+    def write_runs():
+        with tables.writing("runs"):
+            entered.set()
+
+    writer = threading.Thread(target=write_runs)
+    writer.start()
+    assert not entered.wait(1.0)  # the same table: it waits while the other process holds it
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    assert entered.wait(30) and holder.wait(timeout=30) == 0
+    writer.join()
+    monkeypatch.chdir(tmp_path)
+    with OutputTables(None, OutputConfig(path="s3a://bucket/out")).writing("runs"):
+        pass  # an object store's log store excludes writers itself: no lock, no local folder
+    assert not (tmp_path / "s3a:").exists()
