@@ -70,10 +70,15 @@ def plain(value: object) -> object:
     return value.item() if isinstance(value, np.generic) else value
 
 
-def squared_distances(x: np.ndarray, centers: np.ndarray) -> np.ndarray:
-    """(n, k) squared Euclidean distances as |x|^2 - 2 x.c + |c|^2 (one matrix product), clipped at 0."""
-    x_sq = np.einsum("ij,ij->i", x, x)
-    c_sq = np.einsum("ij,ij->i", centers, centers)
+def squared_distances(
+    x: np.ndarray, centers: np.ndarray, x_sq: np.ndarray | None = None, c_sq: np.ndarray | None = None
+) -> np.ndarray:
+    """(n, k) squared Euclidean distances as |x|^2 - 2 x.c + |c|^2 (one matrix product), clipped at 0.
+
+    x_sq and c_sq are the rows' squared norms, if the caller already has them.
+    """
+    x_sq = np.einsum("ij,ij->i", x, x) if x_sq is None else x_sq
+    c_sq = np.einsum("ij,ij->i", centers, centers) if c_sq is None else c_sq
     dist = x @ centers.T
     dist *= -2.0
     dist += x_sq[:, None]
@@ -132,21 +137,13 @@ def kmeans_plusplus(
     # Squared distances up to this are rounding residue of equal rows: once every row is that close
     # to a seed, the distinct rows have run out.
     duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
-
-    def to(rows: np.ndarray) -> np.ndarray:  # squared distances from x[rows] to every row, (len(rows), n)
-        dist = x[rows] @ x.T
-        dist *= -2.0
-        dist += norms[rows, None]
-        dist += norms[None, :]
-        return np.maximum(dist, 0.0, out=dist)
-
     chosen = [_draw(np.cumsum(weights), rng, 1)[0]]
-    closest = to(np.asarray(chosen))[0]
+    closest = squared_distances(x[chosen], x, norms[chosen], norms)[0]
     for _ in range(1, k):
         if np.max(closest) <= duplicate_below:
             break
         candidates = _draw(np.cumsum(weights * closest), rng, trials)
-        candidate_closest = np.minimum(closest[None, :], to(candidates))
+        candidate_closest = np.minimum(closest[None, :], squared_distances(x[candidates], x, norms[candidates], norms))
         best = int(np.argmin(candidate_closest @ weights))
         chosen.append(int(candidates[best]))
         closest = candidate_closest[best]

@@ -17,9 +17,11 @@ from kfed_spark.errors import ConfigError
 Constraint = Callable[[object], str | None]
 """Checks a value: None if it is allowed, else what is required ('an integer >= 1')."""
 
-SEEDINGS = ("farthest", "kmeanspp", "robust")
-"""The server's seeding rules; "robust" is the name older versions gave farthest-point seeding
-with the outlier filter, and now means "farthest" (the filter is robust_min_size, 0 turns it off)."""
+SEEDING_RULES = ("farthest", "kmeanspp")
+SEEDINGS = (*SEEDING_RULES, "robust")
+"""The values seeding takes: the server's seeding rules, and "robust", the name older versions gave
+farthest-point seeding with the outlier filter, which now means "farthest" (the filter is
+robust_min_size, 0 turns it off)."""
 SERVER_REFINES = ("lloyd", "none")
 LABEL_MODES = ("induced", "nearest")
 

@@ -22,6 +22,7 @@ from kfed_spark.kernels import (
 from kfed_spark.bench.synthetic import close_means_mixture
 from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 from kfed_spark.params import AlgorithmParams
+from kfed_spark.workers import feature_matrix
 
 
 def blobs(rng, means, n, noise=1.0):
@@ -135,7 +136,7 @@ def test_local_restarts_keep_the_cheapest_rough_clustering_and_split_merged_clos
     """Two devices of the close-means mixture whose one rough clustering merges two clusters."""
     table = close_means_mixture(0)
     mine = table.column("device_id").to_numpy() == device
-    x = np.array(table.column("features").to_pylist())[mine]
+    x = feature_matrix(table.column("features"))[mine]
     truth = table.column("true_cluster").to_numpy()[mine]
     ari = {}
     for restarts in (1, 3):

@@ -22,7 +22,7 @@ from kfed_spark.workers import feature_matrix, features_array
 from kfed_spark.bench.datasets import DATASETS, load
 from kfed_spark.kernels import device_rng, federated_kmeans, local_clusterings
 from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
-from kfed_spark.params import DEFAULTS, LABEL_MODES, AlgorithmParams
+from kfed_spark.params import DEFAULTS, LABEL_MODES, SEEDING_RULES, AlgorithmParams
 from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
@@ -40,8 +40,7 @@ construction, a Shakespeare role speaks in one play, a FEMNIST writer writes mos
 (10 is a budget, not a truth), the IID partition puts every cluster on every device."""
 
 RESTARTS_TRIED = (1, 3, 5)
-FILTERS_TRIED = (0.0, 0.25)
-SEEDING_RULES = ("farthest", "kmeanspp")
+FILTERS_TRIED = (0.0, DEFAULTS.robust_min_size)
 COMBINATIONS = list(itertools.product(RESTARTS_TRIED, FILTERS_TRIED, SEEDING_RULES, LABEL_MODES))
 """(local_restarts, robust_min_size, seeding, label_mode): every k-FED combination the table reports,
 all with server_refine=lloyd."""
