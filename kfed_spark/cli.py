@@ -228,6 +228,8 @@ def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--points-per-device", type=int, default=500, help="rows per device (default 500)")
     parser.add_argument("--dim", type=int, default=32, help="number of features (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and of every method (default 0)")
+    parser.add_argument("--wide", type=int, default=0, metavar="W",
+                        help="W more columns that clustering does not read, doubles and strings (default 0)")
 
 
 def command_bench(args: argparse.Namespace) -> int:
@@ -243,7 +245,7 @@ def command_bench(args: argparse.Namespace) -> int:
     if data is None:
         data = str(out / "input")
         write_mixture(data, k=args.k, k_per_device=args.k_per_device, devices=args.devices,
-                      points_per_device=args.points_per_device, dim=args.dim, seed=args.seed)
+                      points_per_device=args.points_per_device, dim=args.dim, seed=args.seed, wide=args.wide)
     spark = build_session(
         SparkConfig(
             master=args.master,
@@ -440,6 +442,7 @@ def command_generate(args: argparse.Namespace) -> int:
             points_per_device=args.points_per_device,
             dim=args.dim,
             seed=args.seed,
+            wide=args.wide,
         )
     except ValueError as exc:
         raise KFedError(str(exc)) from None

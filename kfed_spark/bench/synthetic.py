@@ -16,14 +16,16 @@ MEAN_SCALE = 4.0
 
 
 def mixture(
-    k: int, k_per_device: int | tuple[int, int], devices: int, points_per_device: int, dim: int, seed: int
+    k: int, k_per_device: int | tuple[int, int], devices: int, points_per_device: int, dim: int, seed: int,
+    wide: int = 0,
 ) -> pa.Table:
     """Each device holds k_per_device of the k clusters (drawn without replacement) in equal odds.
 
     Columns: row_id, device_id, features (list<double>), true_cluster. With k_per_device a range
     (low, high), each device draws how many clusters it holds from it, and a column
-    clusters_held says how many. Everything is drawn from the seed, device by device, so the
-    same arguments give the same table.
+    clusters_held says how many. With wide > 0, that many more columns follow (extra_columns), as
+    real feature tables carry. Everything is drawn from the seed, device by device, so the same
+    arguments give the same table.
     """
     low, high = k_per_device if isinstance(k_per_device, tuple) else (k_per_device, k_per_device)
     if not 1 <= low <= high <= k:
@@ -48,7 +50,26 @@ def mixture(
     }
     if high > low:
         columns["clusters_held"] = pa.array(np.repeat(held_counts, points_per_device))
-    return pa.table(columns)
+    return pa.table({**columns, **extra_columns(n, wide, seed)})
+
+
+WIDE_STRINGS = 1000
+"""Distinct values of each string column extra_columns adds."""
+
+
+def extra_columns(n: int, wide: int, seed: int) -> dict[str, pa.Array]:
+    """wide columns of n rows that clustering does not read: doubles (extra_0, extra_2, ...) and
+    short strings (extra_1, extra_3, ...) alternating."""
+    rng = np.random.default_rng([seed, 0x3D1E])
+    vocabulary = pa.array([f"value-{i:04d}" for i in range(WIDE_STRINGS)])
+    columns = {}
+    for i in range(wide):
+        if i % 2 == 0:
+            columns[f"extra_{i}"] = pa.array(rng.standard_normal(n))
+        else:
+            codes = pa.array(rng.integers(0, WIDE_STRINGS, size=n, dtype=np.int32))
+            columns[f"extra_{i}"] = pa.DictionaryArray.from_arrays(codes, vocabulary).cast(pa.string())
+    return columns
 
 
 CLOSE_SEPARATION = 4.0 * np.sqrt(2.0)
