@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -20,15 +21,16 @@ from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.functions import arrow_udf
 from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
+    BooleanType,
     DoubleType,
     IntegerType,
     LongType,
     NumericType,
-    StringType,
     StructField,
     StructType,
 )
@@ -42,10 +44,12 @@ from kfed_spark.kernels import LabelModel, ServerClustering, nearest_center, ser
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import (
     EVALUATION_COL,
+    LABEL_FIELDS,
+    NON_FINITE,
     SQ_DIST_COL,
     LocalStepSpec,
     feature_matrix,
-    label_batches,
+    label_arrays,
     local_centers_from_batches,
 )
 
@@ -73,6 +77,14 @@ LOCAL_CENTER_FIELDS = [
 """The fields of a local center after its device_id."""
 
 DIMENSION_SAMPLE_ROWS = 10_000
+
+LABELS_COL = "__kfed_labels"
+"""Internal column: what workers.label_arrays returns for the row, a struct of LABELS_TYPE."""
+
+LABELS_TYPE = StructType([
+    StructField(name, kind, True)
+    for name, kind in zip(LABEL_FIELDS, [IntegerType(), IntegerType(), DoubleType(), BooleanType(), BinaryType()])
+])
 
 
 class StageTimer:
@@ -171,21 +183,19 @@ def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[
 
 
 def table_dimension(raw: DataFrame, prepared: DataFrame) -> int:
-    """The most common feature length among the first DIMENSION_SAMPLE_ROWS rows with features."""
-    sizes = (
-        prepared.select(F.size(FEATURES_COL).alias("dim"))
-        .filter("dim > 0")
-        .limit(DIMENSION_SAMPLE_ROWS)
-        .groupBy("dim")
-        .count()
-        .orderBy(F.desc("count"), "dim")
-        .first()
-    )
-    if sizes is None:
+    """The most common feature length among the first DIMENSION_SAMPLE_ROWS rows with features.
+
+    A limit at the top of the plan is a CollectLimit: Spark reads the first partition and only
+    goes on while it has not found enough rows (under an aggregate, every partition would be read).
+    """
+    sizes = [row.dim for row in prepared.select(F.size(FEATURES_COL).alias("dim")).filter("dim > 0")
+             .limit(DIMENSION_SAMPLE_ROWS).collect()]
+    if not sizes:
         if raw.isEmpty():
             raise InputError("the input has no rows")
         raise InputError("no row of the input has any feature values")
-    return int(sizes["dim"])
+    values, counts = np.unique(sizes, return_counts=True)
+    return int(values[np.argmax(counts)])  # the smallest of equally common lengths
 
 
 def features_column(df: DataFrame, features: str | list[str]) -> Column:
@@ -319,14 +329,31 @@ def label_rows(
     evaluation: EvaluationSpec | None = None,
 ) -> DataFrame:
     """Every row with its local and global cluster, its squared distance and its reason (null if labelled);
-    with an evaluation spec also EVALUATION_COL, which each partition's last row fills (workers.label_batches)."""
-    gathered = [] if evaluation is None else [StructField(EVALUATION_COL, BinaryType(), True)]
-    schema = StructType(
-        labelled_fields(raw_schema)
-        + [StructField(SQ_DIST_COL, DoubleType(), True), *gathered, StructField(REASON_COL, StringType(), True)]
+    with an evaluation spec also EVALUATION_COL, which each partition's last row fills.
+
+    Only the device, the features (and the truth, for the evaluation) cross to Python, in a scalar
+    Arrow UDF (workers.label_arrays); every other column stays in the JVM. The UDF is marked
+    nondeterministic so that Spark calls it once per row, never once per field it returns (and the
+    evaluation it gathers depends on how the rows are partitioned).
+    """
+    truth = [] if evaluation is None or evaluation.truth_col is None else [F.col(evaluation.truth_col)]
+    def label(batches: Iterator[tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
+        return label_arrays(batches, model, dim, evaluation)
+
+    labeller = arrow_udf(label, LABELS_TYPE).asNondeterministic()  # the type hints make it a SCALAR_ITER UDF
+    labelled = rows.withColumn(
+        LABELS_COL, labeller(F.col(REASON_COL).isNull(), F.col(device_col), F.col(FEATURES_COL), *truth)
     )
     keep_as = rows.schema[FEATURES_COL].metadata.get(FEATURES_SOURCE)
-    return rows.mapInArrow(
-        lambda batches: label_batches(batches, model, device_col, FEATURES_COL, REASON_COL, dim, keep_as, evaluation),
-        schema,
+    label = F.col(LABELS_COL)
+    reason = F.coalesce(F.col(REASON_COL), F.when(label["non_finite"], F.lit(NON_FINITE)))
+    gathered = [] if evaluation is None else [label[EVALUATION_COL].alias(EVALUATION_COL)]
+    return labelled.select(
+        *[F.col(FEATURES_COL).alias(f.name, metadata={}) if f.name == keep_as else F.col(f.name)
+          for f in raw_schema.fields],
+        label["local_cluster_id"].alias("local_cluster_id"),
+        label["cluster_id"].alias("cluster_id"),
+        label[SQ_DIST_COL].alias(SQ_DIST_COL),
+        *gathered,
+        reason.alias(REASON_COL),
     )

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from kfed_spark.evaluation import EvaluationSpec, PartitionEvaluation
@@ -209,72 +208,58 @@ class _LocalCenterRows:
 
 NON_FINITE = "non_finite_value"
 
+LABEL_FIELDS = ("local_cluster_id", "cluster_id", SQ_DIST_COL, "non_finite", EVALUATION_COL)
+"""What label_arrays returns per row, in this order (fitting.label_rows gives their Spark types)."""
 
-def label_batches(
-    batches: Iterator[pa.RecordBatch],
-    model: LabelModel,
-    device_col: str,
-    features_col: str,
-    reason_col: str,
-    dim: int,
-    keep_features_as: str | None = None,
-    evaluation: EvaluationSpec | None = None,
-) -> Iterator[pa.RecordBatch]:
-    """Label every row whose reason is null; drop the features column, or keep it under the name
-    keep_features_as (when it is the input's own column, renamed so it crosses to Python once).
 
-    Rows already carrying a reason pass through unlabelled. A row whose features hold a null,
-    NaN or infinite value gets the reason NON_FINITE here, where numpy checks it for next to
-    nothing. Appends local_cluster_id, cluster_id and the squared distance to the global center
-    (null for unlabelled rows) and keeps the reason column last. With an evaluation spec, an
-    EVALUATION_COL before the reason holds the partition's PartitionEvaluation on its last row
-    (null on every other row); each batch is held until the next one shows it is not the last.
+def label_arrays(
+    batches: Iterator[tuple[pa.Array, ...]], model: LabelModel, dim: int, evaluation: EvaluationSpec | None = None
+) -> Iterator[pa.StructArray]:
+    """Label one partition's rows from (labellable, device, features[, truth]) arrays: the only
+    columns that cross to Python; every other column of the row stays in the JVM.
+
+    Rows that are not labellable (validation gave them a reason) get nulls. A labellable row whose
+    features hold a null, NaN or infinite value gets non_finite = true instead of a label: numpy
+    checks that for next to nothing. Labelled rows get local_cluster_id, cluster_id and their
+    squared distance to the global center. With an evaluation spec, the partition's
+    PartitionEvaluation (the truth is the fourth array) is on the last row's EVALUATION_COL, null on
+    every other row; each batch is held until the next one shows it is not the last.
     """
     gathered = None if evaluation is None else PartitionEvaluation(evaluation)
     held = None
-    for batch in batches:
-        reasons = batch.column(reason_col).to_numpy(zero_copy_only=False).astype(object)
-        candidates = np.flatnonzero(pd.isna(reasons))
-        x = feature_matrix(batch.column(features_col).take(candidates), dim)
+    for arrays in batches:
+        labellable, device_array, features = arrays[:3]
+        candidates = np.flatnonzero(labellable.to_numpy(zero_copy_only=False))
+        x = feature_matrix(features.take(candidates), dim)
         finite = np.isfinite(x).all(axis=1)
-        reasons[candidates[~finite]] = NON_FINITE
         rows = candidates[finite]
-        devices = batch.column(device_col).take(rows).to_numpy(zero_copy_only=False)
+        devices = device_array.take(rows).to_numpy(zero_copy_only=False)
         local, cluster, sq_dist = model.label(devices, x[finite])
-        unlabelled = np.ones(batch.num_rows, dtype=bool)
+        unlabelled = np.ones(len(labellable), dtype=bool)
         unlabelled[rows] = False
-        keep = [name for name in batch.schema.names if name != reason_col]
-        if keep_features_as is None:
-            keep.remove(features_col)
-        columns = [batch.column(name) for name in keep] + [
+        non_finite = np.zeros(len(labellable), dtype=bool)
+        non_finite[candidates[~finite]] = True
+        if gathered is not None:
+            truth = None if evaluation.truth_col is None else arrays[3].take(rows)
+            gathered.add(devices, truth, x[finite], cluster, sq_dist)
+        if held is not None:
+            yield _labels(held, None)
+        held = [
             _scatter(local, rows, unlabelled, pa.int32()),
             _scatter(cluster, rows, unlabelled, pa.int32()),
             _scatter(sq_dist, rows, unlabelled, pa.float64()),
+            pa.array(non_finite),
         ]
-        names = [keep_features_as if name == features_col else name for name in keep] + [
-            "local_cluster_id", "cluster_id", SQ_DIST_COL
-        ]
-        if gathered is None:
-            yield pa.RecordBatch.from_arrays(columns + [pa.array(reasons, type=pa.string())], names + [reason_col])
-            continue
-        truth = None if evaluation.truth_col is None else batch.column(evaluation.truth_col).take(rows)
-        gathered.add(devices, truth, x[finite], cluster, sq_dist)
-        if held is not None:
-            yield _with_evaluation(*held, None)
-        held = (columns, names, reasons, reason_col)
     if held is not None:
-        yield _with_evaluation(*held, gathered.to_bytes())
+        yield _labels(held, None if gathered is None else gathered.to_bytes())
 
 
-def _with_evaluation(columns, names, reasons, reason_col, blob: bytes | None) -> pa.RecordBatch:
-    """A labelled batch with EVALUATION_COL, holding blob on its last row."""
-    blobs = [None] * len(reasons)
+def _labels(fields: list[pa.Array], blob: bytes | None) -> pa.StructArray:
+    """A batch's label fields with EVALUATION_COL, holding blob (if any) on its last row."""
+    blobs = [None] * len(fields[0])
     if blob is not None:
         blobs[-1] = blob
-    return pa.RecordBatch.from_arrays(
-        columns + [pa.array(blobs, type=pa.binary()), pa.array(reasons, type=pa.string())],
-        names + [EVALUATION_COL, reason_col],
-    )
+    return pa.StructArray.from_arrays([*fields, pa.array(blobs, type=pa.binary())], names=list(LABEL_FIELDS))
 
 
 def _scatter(values: np.ndarray, rows: np.ndarray, unlabelled: np.ndarray, kind: pa.DataType) -> pa.Array:

@@ -8,7 +8,7 @@ import pyarrow as pa
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.kernels import LabelModel
 from kfed_spark.metrics import adjusted_rand_index, ari_of, cost_of_labels
-from kfed_spark.workers import EVALUATION_COL, features_array, label_batches
+from kfed_spark.workers import EVALUATION_COL, features_array, label_arrays
 
 
 def batch_of(devices, x, truth, reasons):
@@ -19,9 +19,14 @@ def batch_of(devices, x, truth, reasons):
 
 
 def labelled_partitions(partitions, spec, model):
-    """label_batches over each partition (a list of batches), as Spark's workers run it."""
-    return [pa.Table.from_batches(list(label_batches(iter(batches), model, "device_id", "features", "reason", 2,
-                                                     evaluation=spec))) for batches in partitions]
+    """label_arrays over each partition (a list of batches), as the labelling UDF calls it."""
+    def arrays(batch):
+        return (pa.compute.is_null(batch.column("reason")), batch.column("device_id"), batch.column("features"),
+                batch.column("truth"))
+
+    return [pa.Table.from_batches([pa.RecordBatch.from_struct_array(out)
+                                   for out in label_arrays(map(arrays, batches), model, 2, evaluation=spec)])
+            for batches in partitions]
 
 
 def test_figures_and_sample_do_not_depend_on_the_partitioning():

@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kfed_spark.workers import LocalStepSpec, device_runs, label_batches, local_centers_from_batches
+from kfed_spark.workers import LocalStepSpec, device_runs, label_arrays, local_centers_from_batches
 from kfed_spark.kernels import LabelModel, device_rng, local_step, row_hashes, smallest_hashes
 from kfed_spark.params import AlgorithmParams
 
@@ -75,15 +75,14 @@ def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():
         label_mode="induced",
     )
     batch = with_reasons(rows_batch([9, 7, 7], np.array([[9.0], [9.0], [1.0]])), [None, None, None])
-    out = pa.Table.from_batches(list(label_batches(iter([batch]), model, "device_id", "features", "reason", 1)))
-    assert out.column_names == ["device_id", "local_cluster_id", "cluster_id", "__kfed_sq_dist", "reason"]
+    out = labelled(batch, model, 1)
+    assert out.column_names == ["local_cluster_id", "cluster_id", "__kfed_sq_dist", "non_finite", "__kfed_evaluation"]
     assert out.column("local_cluster_id").to_pylist() == [0, 1, 0]
     assert out.column("cluster_id").to_pylist() == [1, 0, 1]  # device 9's only center is in cluster 1
     assert out.column("__kfed_sq_dist").to_pylist() == [64.0, 1.0, 0.0]
     nearest = LabelModel.build(np.array([7, 7, 9]), np.array([0, 1, 0]), model.device_centers[[0, 0, 1], [0, 1, 0]],
                                np.array([1, 0, 1]), model.global_centers, "nearest")
-    out = pa.Table.from_batches(list(label_batches(iter([batch]), nearest, "device_id", "features", "reason", 1)))
-    assert out.column("cluster_id").to_pylist() == [0, 0, 1]
+    assert labelled(batch, nearest, 1).column("cluster_id").to_pylist() == [0, 0, 1]
 
 
 def with_reasons(batch, reasons):
@@ -92,13 +91,20 @@ def with_reasons(batch, reasons):
     )
 
 
+def labelled(batch, model, dim):
+    """label_arrays over one batch of (device_id, features, reason) rows, as the labelling UDF calls it."""
+    labellable = pa.compute.is_null(batch.column("reason"))
+    [out] = label_arrays(iter([(labellable, batch.column("device_id"), batch.column("features"))]), model, dim)
+    return pa.Table.from_struct_array(out)
+
+
 def test_rows_with_a_reason_or_non_finite_values_pass_through_unlabelled():
     model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0, 0.0]]), np.array([0]),
                              np.array([[0.0, 0.0]]), "induced")
     x = np.array([[1.0, 0.0], [np.nan, 0.0], [0.0, np.inf], [2.0, 0.0]])
     batch = with_reasons(rows_batch([1, 1, 1, None], x), [None, None, None, "null_device"])
-    out = pa.Table.from_batches(list(label_batches(iter([batch]), model, "device_id", "features", "reason", 2)))
-    assert out.column("reason").to_pylist() == [None, "non_finite_value", "non_finite_value", "null_device"]
+    out = labelled(batch, model, 2)
+    assert out.column("non_finite").to_pylist() == [False, True, True, False]
     assert out.column("cluster_id").to_pylist() == [0, None, None, None]
     assert out.column("__kfed_sq_dist").to_pylist() == [1.0, None, None, None]
 
@@ -116,4 +122,4 @@ def test_labelling_a_device_without_local_centers_fails_clearly():
     model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0]]), np.array([0]), np.array([[0.0]]), "induced")
     batch = with_reasons(rows_batch([2], np.array([[1.0]])), [None])
     with pytest.raises(ValueError, match="device 2 has no local centers"):
-        list(label_batches(iter([batch]), model, "device_id", "features", "reason", 1))
+        labelled(batch, model, 1)
