@@ -108,7 +108,7 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) 
         check_device_ids(checked, cfg.input.device_col)
         faults.point("checked")
         schemas = output_schemas(raw.schema, cfg.input.device_col)
-        tables.prepare(schemas)
+        tables.prepare(schemas, stats_columns(cfg.input.device_col))
         faults.point("created")
     ledger = Ledger(tables)
     row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
@@ -157,6 +157,12 @@ def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructT
         "device_clusters": StructType([device, *DEVICE_CLUSTER_FIELDS, *tagged]),
         "runs": RUNS_SCHEMA,
     }
+
+
+def stats_columns(device_col: str) -> dict[str, list[str]]:
+    """The columns whose statistics Delta keeps in the tables that hold input rows: the ones their
+    readers filter on (run_id and attempt_id are partition columns, which need none)."""
+    return {"labels": [device_col, "local_cluster_id", "cluster_id"], "quarantine": [device_col, "reason"]}
 
 
 def check_device_ids(checked: DataFrame, device_col: str) -> None:

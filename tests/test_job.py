@@ -1,6 +1,7 @@
 """The whole job on real Spark (local mode) writing real Delta tables."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
 from kfed_spark.config import InputConfig
+from kfed_spark.fitting import label_rows
 from kfed_spark.io import TABLES, read_input
 from kfed_spark.kernels import federated_kmeans
 from kfed_spark.metrics import adjusted_rand_index
@@ -33,6 +35,10 @@ def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_
                                    "local_cluster_id", "run_id", "attempt_id"}
     cells = labels.groupBy("true_cluster", "cluster_id").count().toPandas()
     assert adjusted_rand_index(cells.true_cluster, cells.cluster_id, cells["count"]) >= 0.95
+    stats = {name: spark.sql(f"SHOW TBLPROPERTIES delta.`{out / name}`").toPandas().set_index("key").value
+             .get("delta.dataSkippingStatsColumns") for name in ("labels", "quarantine", "centers")}
+    assert stats == {"labels": "`device_id`,`local_cluster_id`,`cluster_id`", "quarantine": "`device_id`,`reason`",
+                     "centers": None}
 
     run = runs_of(spark, out)
     assert len(run) == 1
@@ -133,6 +139,21 @@ def test_vector_and_column_list_features_give_the_same_clustering(spark, tmp_pat
                             (from_csv, columns)):
         got = fitted_labels(frame, {"features_col": features}, **settings)[1].set_index("row_id").cluster_id
         assert got.sort_index().equals(expected), features
+
+
+def test_the_labelling_pass_sends_only_the_device_and_the_features_to_python(spark, mixture_path):
+    """The labelling pass is a scalar Arrow UDF over (labellable, device, features): the input's other
+    columns stay in the JVM and come out unchanged."""
+    raw = spark.read.parquet(mixture_path).withColumn("note", F.concat(F.lit("row "), F.col("row_id").cast("string")))
+    clustering, labelled = fitted_labels(raw, k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"])
+    plan = label_rows(clustering.checked, clustering.model, raw.schema, "device_id", clustering.dim) \
+        ._jdf.queryExecution().executedPlan().toString()
+    python_nodes = [line for line in plan.splitlines() if "Python" in line or "Arrow" in line]
+    assert len(python_nodes) == 1 and "ArrowEvalPython" in python_nodes[0], plan
+    udf_arguments = re.search(r"\[label\((.*?)\)#", python_nodes[0]).group(1)
+    assert re.sub(r"#\d+L?", "", udf_arguments) == "isnull(__kfed_reason), device_id, __kfed_features"
+    assert (labelled.note == "row " + labelled.row_id.astype(str)).all()
+    assert list(labelled.columns) == [*raw.columns, "local_cluster_id", "cluster_id"]
 
 
 def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(spark, tmp_path):
