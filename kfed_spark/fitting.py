@@ -37,6 +37,7 @@ from pyspark.sql.types import (
 
 from kfed_spark import faults
 from kfed_spark.config import KFedConfig
+from kfed_spark.distributed import global_centers, with_clusters
 from kfed_spark.errors import InputError, KFedError
 from kfed_spark.evaluation import EvaluationSpec
 from kfed_spark.io import read_side_table
@@ -121,24 +122,58 @@ def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None) -> Clu
 
 
 def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, timer: StageTimer) -> Clustering:
-    """fit() on an input that validated() has prepared."""
+    """fit() on an input that validated() has prepared.
+
+    The server step runs on the driver, or distributed (kfed_spark.distributed) as cfg.server_step
+    says; unless it is "driver", the local centers are cached and counted, and "auto" picks by
+    their number. Either way the driver ends up with every local center, for the labelling model:
+    what leaves the driver with "distributed" is the merge, the server step's memory and work."""
     valid = checked.filter(F.col(REASON_COL).isNull())
+    params = AlgorithmParams.of(cfg)
     with timer.stage("local_step"):
-        local = collect_local_centers(valid, cfg, dim, device_type)
-    if len(local.counts) == 0:
+        frame = local_centers_frame(valid, cfg, dim, device_type)
+        where = cfg.server_step
+        if where != "driver":
+            frame = frame.persist()
+            if where == "auto":
+                where = "distributed" if frame.count() > cfg.server_distributed_above else "driver"
+        local = LocalCenters.from_arrow(frame.toArrow(), dim) if where == "driver" else None
+    try:
+        with timer.stage("server_step"):
+            try:
+                local, server = merged_on_driver(local, params) if local is not None else merged_in_spark(frame, dim, params)
+            except ValueError as exc:
+                raise KFedError(str(exc)) from None
+    finally:
+        if cfg.server_step != "driver":
+            frame.unpersist()
+    if server is None:
         raise InputError(f"no row of the input can be clustered (all {checked.count()} rows are bad; see quarantine)")
-    with timer.stage("server_step"):
-        try:
-            server = server_step(local.centers, local.counts, local.devices, local.ids, cfg)
-        except ValueError as exc:
-            raise KFedError(str(exc)) from None
-        log.info(
-            "server step: %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
-            len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
-        )
+    log.info(
+        "server step (%s): %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
+        where, len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
+    )
     model = LabelModel.build(local.devices, local.ids, local.centers, server.assignment, server.centers,
                              cfg.label_mode)
     return Clustering(checked, dim, local, server, model)
+
+
+def merged_on_driver(local: LocalCenters, params: AlgorithmParams) -> tuple[LocalCenters, ServerClustering | None]:
+    """Alg. 2 over the local centers the driver holds (None without any)."""
+    if len(local.counts) == 0:
+        return local, None
+    return local, server_step(local.centers, local.counts, local.devices, local.ids, params)
+
+
+def merged_in_spark(frame: DataFrame, dim: int, params: AlgorithmParams) -> tuple[LocalCenters, ServerClustering | None]:
+    """Alg. 2 with Spark doing the work (kfed_spark.distributed); then the local centers come to the
+    driver with the global cluster each one took (None without any)."""
+    if frame.isEmpty():
+        return None, None
+    merged = global_centers(frame, dim, params)
+    table = with_clusters(frame, merged.centers).toArrow()
+    local = LocalCenters.from_arrow(table.drop_columns(["cluster_id"]), dim)
+    return local, ServerClustering(merged.centers, table.column("cluster_id").to_numpy(), None, merged.refine_iterations)
 
 
 def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[DataFrame, int]:
@@ -244,6 +279,11 @@ class LocalCenters:
 
 def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
     """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
+    return LocalCenters.from_arrow(local_centers_frame(valid, cfg, dim, device_type).toArrow(), dim)
+
+
+def local_centers_frame(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> DataFrame:
+    """Alg. 1 on every device, as a DataFrame of local centers (LOCAL_CENTER_COLUMNS)."""
     fixed = not isinstance(cfg.k_per_device, str)
     spec = LocalStepSpec(
         cfg.k_per_device if fixed else min(cfg.k, cfg.k_per_device_max),
@@ -257,8 +297,7 @@ def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_ty
     rows = local_step_rows(valid, cfg)
     partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
     shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
-    table = shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema).toArrow()
-    return LocalCenters.from_arrow(table, dim)
+    return shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema)
 
 
 def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:

@@ -397,6 +397,31 @@ def server_step(
     return ServerClustering(global_centers, assignment, seed_device, rounds)
 
 
+REPRESENTATIVE_SAMPLE = 4
+"""representatives() seeds with k-means++ on a sample of this many rows per representative."""
+
+REPRESENTATIVE_ROUNDS = 1
+"""Lloyd rounds representatives() runs over all its rows: enough for a summary, which the merge refines."""
+
+
+def representatives(x: np.ndarray, weights: np.ndarray, m: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """At most m weighted points that stand for the weighted rows (x, weights), with the same total
+    weight: the means of a weighted m-means of the rows, each weighing what its rows weigh.
+
+    The distributed server step reduces each partition of local centers with it, and merges the
+    union (a composable coreset). Seeds: k-means++ on a sample of REPRESENTATIVE_SAMPLE x m rows,
+    then REPRESENTATIVE_ROUNDS weighted Lloyd rounds over all rows: O(rows x m x d) work.
+    """
+    if len(x) <= m:
+        return x, weights
+    sample = np.sort(rng.choice(len(x), min(len(x), REPRESENTATIVE_SAMPLE * m), replace=False))
+    seeds = x[sample[kmeans_plusplus(x[sample], weights[sample], m, rng)]]
+    _, labels, _, _ = lloyd(x, weights, seeds, REPRESENTATIVE_ROUNDS, 0.0)
+    means, mass = weighted_means(x, weights, labels, len(seeds))
+    held = mass > 0
+    return means[held], mass[held]
+
+
 def _kmeanspp_centers(
     x: np.ndarray, weights: np.ndarray, params: AlgorithmParams, sample_size: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, int] | None:

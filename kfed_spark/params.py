@@ -23,6 +23,7 @@ SEEDINGS = (*SEEDING_RULES, "robust")
 farthest-point seeding with the outlier filter, which now means "farthest" (the filter is
 robust_min_size, 0 turns it off)."""
 SERVER_REFINES = ("lloyd", "none")
+SERVER_STEPS = ("auto", "driver", "distributed")
 LABEL_MODES = ("induced", "nearest")
 
 
@@ -86,6 +87,18 @@ class AlgorithmParams:
     )
     server_refine: str = param(
         "lloyd", one_of(*SERVER_REFINES), "lloyd (count-weighted Lloyd over the local centers) or none (the paper)"
+    )
+    server_step: str = param(
+        "auto", one_of(*SERVER_STEPS),
+        "where the server step runs: driver (every local center in the driver's memory), distributed (Spark "
+        "partitions reduce the local centers to weighted representatives, the driver merges those) or auto "
+        "(distributed above server_distributed_above local centers)",
+    )
+    server_distributed_above: int = param(
+        2_000_000, integer(1), "with server_step auto: the most local centers the driver merges itself"
+    )
+    server_representatives: int = param(
+        2, integer(1), "distributed server step: weighted representatives each partition keeps, per global cluster"
     )
     label_mode: str = param(
         "induced", one_of(*LABEL_MODES),

@@ -19,6 +19,8 @@ from kfed_spark.kernels import (
     device_rng,
     estimate_local_k,
     local_step,
+    nearest_center,
+    representatives,
     row_hashes,
     scale_counts,
     smallest_hashes,
@@ -204,6 +206,28 @@ class _LocalCenterRows:
         )
         self._reset()
         return batch
+
+
+def representatives_from_batches(
+    batches: Iterator[pa.RecordBatch], m: int, dim: int, seed: int
+) -> Iterator[pa.RecordBatch]:
+    """One partition of (center, n_points) local centers reduced to at most m weighted
+    representatives (kernels.representatives); yields (center, weight). The draws are seeded from
+    the run seed and the partition's first center, so a retried task draws the same."""
+    table = pa.Table.from_batches(list(batches))
+    if table.num_rows == 0:
+        return
+    x = feature_matrix(table.column(0), dim)
+    weights = table.column(1).to_numpy().astype(np.float64)
+    found, mass = representatives(x, weights, m, device_rng(seed, f"representatives:{x[0].tobytes().hex()}"))
+    yield pa.RecordBatch.from_arrays([features_array(found), pa.array(mass)], names=["center", "weight"])
+
+
+def cluster_batches(batches: Iterator[pa.RecordBatch], centers: np.ndarray) -> Iterator[pa.RecordBatch]:
+    """Append cluster_id, the nearest of the global centers, to every batch of local centers."""
+    for batch in batches:
+        nearest, _ = nearest_center(feature_matrix(batch.column("center"), centers.shape[1]), centers)
+        yield batch.append_column("cluster_id", pa.array(nearest, type=pa.int32()))
 
 
 NON_FINITE = "non_finite_value"
