@@ -169,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--driver-memory", default="2g", help="Spark driver memory (default 2g)")
     bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
     bench.add_argument("--repeats", type=int, default=3, help="runs of each method; the fastest counts (default 3)")
+    bench.add_argument("--mllib-limit", type=float, metavar="SECONDS",
+                       help="stop MLlib's fit after this long and report its time as a lower bound (default: none)")
     bench.set_defaults(handler=command_bench)
 
     quality = commands.add_parser(
@@ -189,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--k", type=int, default=1000, help="global clusters (default 1000)")
     server.add_argument("--dim", type=int, default=32, help="dimension (default 32)")
     server.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    server.add_argument("--distributed", action="store_true",
+                        help="run the distributed server step on a local Spark (server_step: distributed) instead "
+                        "of the driver's numpy one")
+    server.add_argument("--out", default="kfed-bench-server", help="with --distributed: folder for the generated "
+                        "local centers and their clusters")
+    server.add_argument("--driver-memory", default="2g", help="with --distributed: Spark driver memory (default 2g)")
     server.set_defaults(handler=command_bench_server)
     return parser
 
@@ -235,8 +243,6 @@ def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
 def command_bench(args: argparse.Namespace) -> int:
     from kfed_spark.bench.benchmark import benchmark, write_report
     from kfed_spark.bench.synthetic import write_mixture
-    from kfed_spark.config import SparkConfig
-    from kfed_spark.session import build_session
 
     if not args.no_sklearn:
         require_sklearn("bench", "or pass --no-sklearn")
@@ -246,12 +252,26 @@ def command_bench(args: argparse.Namespace) -> int:
         data = str(out / "input")
         write_mixture(data, k=args.k, k_per_device=args.k_per_device, devices=args.devices,
                       points_per_device=args.points_per_device, dim=args.dim, seed=args.seed, wide=args.wide)
-    spark = build_session(
+    spark = bench_session("kfed-spark-bench", args.driver_memory, args.master)
+    command = "kfed-spark bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "kfed-spark bench"
+    report = benchmark(spark, data, out, args.k, args.k_per_device, args.seed, command, not args.no_sklearn,
+                       args.repeats, args.mllib_limit)
+    write_report(report, out)
+    print(report.markdown())
+    print(f"report: {out / 'benchmark.md'} and {out / 'benchmark.json'}")
+    return 0
+
+
+def bench_session(app_name: str, driver_memory: str, master: str = "local[2]"):
+    from kfed_spark.config import SparkConfig
+    from kfed_spark.session import build_session
+
+    return build_session(
         SparkConfig(
-            master=args.master,
-            app_name="kfed-spark-bench",
+            master=master,
+            app_name=app_name,
             conf={
-                "spark.driver.memory": args.driver_memory,
+                "spark.driver.memory": driver_memory,
                 "spark.sql.shuffle.partitions": "8",
                 "spark.databricks.delta.snapshotPartitions": "2",
                 "spark.ui.showConsoleProgress": "false",
@@ -259,13 +279,6 @@ def command_bench(args: argparse.Namespace) -> int:
             },
         )
     )
-    command = "kfed-spark bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "kfed-spark bench"
-    report = benchmark(spark, data, out, args.k, args.k_per_device, args.seed, command, not args.no_sklearn,
-                       args.repeats)
-    write_report(report, out)
-    print(report.markdown())
-    print(f"report: {out / 'benchmark.md'} and {out / 'benchmark.json'}")
-    return 0
 
 
 def command_bench_quality(args: argparse.Namespace) -> int:
@@ -296,9 +309,15 @@ def require_sklearn(command: str, hint: str) -> None:
 
 
 def command_bench_server(args: argparse.Namespace) -> int:
-    from kfed_spark.bench.benchmark import benchmark_server
+    from kfed_spark.bench.benchmark import benchmark_distributed_server, benchmark_server
 
-    for name, value in benchmark_server(args.devices, args.per_device, args.k, args.dim, args.seed).items():
+    if args.distributed:
+        spark = bench_session("kfed-spark-bench-server", args.driver_memory)
+        figures = benchmark_distributed_server(spark, Path(args.out).resolve(), args.devices, args.per_device, args.k,
+                                               args.dim, args.seed)
+    else:
+        figures = benchmark_server(args.devices, args.per_device, args.k, args.dim, args.seed)
+    for name, value in figures.items():
         print(f"{name}: {value:g}")
     return 0
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kfed_spark.bench.benchmark import ONE_RESTART, benchmark, write_report
+from kfed_spark.bench.benchmark import ONE_RESTART, benchmark, run_mllib, write_report
 from kfed_spark.bench.synthetic import write_mixture
 
 
@@ -30,9 +30,11 @@ def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     assert set(kfed.stages) >= {"validate", "local_step", "server_step", "labels", "other_tables"}
     assert all(e.seconds > 0 and e.rows_per_second > 0 for e in report.entries)
     assert one_restart.ari > 0.95 and "local_step" in one_restart.stages
-    assert len(report.ratios) == 6
+    assert len(report.ratios) == 8
     passes = report.spark_passes
     assert all(seconds > 0 for seconds in passes.values()) and len(passes) == 4
+    fit, total, labels = run_mllib(spark, str(data), tmp_path / "capped", k=6, seed=2, limit=0.001)
+    assert fit.lower_bound and total.lower_bound and fit.seconds == 0.001 and labels is None
 
     saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
     assert saved["rows"] == 1200 and len(saved["entries"]) == 6 and saved["repeats"] == 2
@@ -53,6 +55,17 @@ def test_server_benchmark_times_both_seeding_rules_and_refinements(capsys):
         assert float(lines[f"weighted cost, seeding={seeding} server_refine=lloyd"]) <= float(
             lines[f"weighted cost, seeding={seeding} server_refine=none"])
     assert float(lines["kmeanspp / farthest seconds, server_refine=lloyd"]) > 0
+
+
+def test_distributed_server_benchmark_merges_generated_centers_in_spark(spark, tmp_path, capsys):
+    from kfed_spark.cli import main
+
+    assert main(["bench-server", "--distributed", "--devices", "2000", "--per-device", "3", "--k", "10", "--dim", "4",
+                 "--out", str(tmp_path)]) == 0
+    lines = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
+    assert float(lines["local_centers"]) == 6000 and float(lines["ARI against the generating means"]) == 1.0
+    assert 0 < float(lines["representatives merged on the driver"]) < 6000
+    assert float(lines["seconds, distributed server step"]) > 0 and float(lines["peak memory MB, python driver"]) > 0
 
 
 def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path):

@@ -38,6 +38,7 @@ class Entry:
     stages: dict[str, float] = field(default_factory=dict)
     rows_per_second: float = 0.0
     cost_ratio: float = 0.0
+    lower_bound: bool = False  # stopped at its time limit: seconds is a lower bound, no cost or ARI
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Report:
         ]
         for e in self.entries:
             lines.append(
+                f"| {e.name} | > {e.seconds:.0f} (stopped) | < {e.rows_per_second:,.0f} | | | |" if e.lower_bound else
                 f"| {e.name} | {e.seconds:.2f} | {e.rows_per_second:,.0f} | {e.cost:.6g} | {e.cost_ratio:.4f} | {e.ari:.4f} |"
             )
         if self.spark_passes:
@@ -134,39 +136,83 @@ def time_spark_passes(spark, data: str, out: Path) -> dict[str, float]:
     """Seconds of Spark passes that do no clustering: what any job of k-FED's shape pays on Spark.
 
     k-FED reads the input twice: once shuffled by device through a Python function (the local
-    step; only a few rows come back), once through a Python function into a Delta write (labels).
+    step; only a few rows come back), once through a Python UDF over the device and the features
+    into a Delta write (labels; the Delta table keeps statistics on the columns the labels table
+    keeps them on, job.stats_columns).
     """
     from pyspark.sql import functions as F
+    from pyspark.sql.functions import arrow_udf
+
+    from kfed_spark.io import STATS_COLUMNS_PROPERTY
+    from kfed_spark.job import stats_columns
 
     rows = spark.read.parquet(data)
     partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
+
+    @arrow_udf("int")
+    def one_int_per_row(devices: pa.Array, features: pa.Array) -> pa.Array:
+        return pa.array(np.zeros(len(devices), dtype=np.int32))
+
+    labelled = rows.withColumn("cluster_id", one_int_per_row("device_id", "features"))
+    stats = {STATS_COLUMNS_PROPERTY: ",".join(stats_columns("device_id")["labels"][:1] + ["cluster_id"])}
+    new_delta_table(spark, out / "pass_copy", rows.schema)
+    new_delta_table(spark, out / "pass_python", labelled.schema, stats)
     passes = {}
     _, passes["read -> Delta write"] = _timed(
-        lambda: rows.write.format("delta").mode("overwrite").save(str(out / "pass_copy"))
-    )
+        lambda: rows.write.format("delta").mode("append").save(str(out / "pass_copy")))
     _, shuffled = _timed(
         lambda: rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
         .mapInArrow(lambda batches: (b.slice(0, 0) for b in batches), rows.schema).agg(F.count("*")).collect()
     )
     passes["read -> shuffle by device -> Python function (returns nothing)"] = shuffled
-    _, labelled = _timed(
-        lambda: rows.mapInArrow(lambda batches: batches, rows.schema)
-        .write.format("delta").mode("overwrite").save(str(out / "pass_python"))
-    )
-    passes["read -> Python function (identity) -> Delta write"] = labelled
-    passes[SHAPE_OF_KFED] = shuffled + labelled
+    _, labels = _timed(lambda: labelled.write.format("delta").mode("append").save(str(out / "pass_python")))
+    passes["read -> Python UDF over (device, features), one int per row -> Delta write"] = labels
+    passes[SHAPE_OF_KFED] = shuffled + labels
     return passes
 
 
-def run_mllib(spark, data: str, out: Path, k: int, seed: int) -> tuple[Entry, Entry, np.ndarray]:
+def new_delta_table(spark, path: Path, schema, properties: dict[str, str] | None = None) -> None:
+    """An empty Delta table at path (replacing what was there), with the given table properties."""
+    shutil.rmtree(path, ignore_errors=True)
+    columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in schema.fields)
+    settings = ", ".join(f"'{key}' = '{value}'" for key, value in (properties or {}).items())
+    spark.sql(f"CREATE TABLE delta.`{path}` ({columns}) USING delta" + (f" TBLPROPERTIES ({settings})" if settings else ""))
+
+
+def run_mllib(spark, data: str, out: Path, k: int, seed: int,
+              limit: float | None = None) -> tuple[Entry, Entry, np.ndarray | None]:
+    """MLlib KMeans fit, then transform and the same Delta write; with a limit (seconds), the fit's
+    Spark jobs are cancelled once it has run that long, and both entries report the limit as a lower
+    bound (no cost, no labels)."""
+    import threading
+
     from pyspark.ml.clustering import KMeans
     from pyspark.ml.functions import array_to_vector
 
     start = time.perf_counter()
     rows = spark.read.parquet(data).withColumn("features_vector", array_to_vector("features"))
-    model, fit_seconds = _timed(
-        lambda: KMeans(k=k, seed=seed, featuresCol="features_vector", predictionCol="cluster_id").fit(rows)
-    )
+    estimator = KMeans(k=k, seed=seed, featuresCol="features_vector", predictionCol="cluster_id")
+    fitted: dict = {}
+
+    def fit() -> None:
+        spark.sparkContext.setJobGroup(MLLIB_JOB_GROUP, "the benchmark's MLlib fit", interruptOnCancel=True)
+        try:
+            fitted["model"] = estimator.fit(rows)
+        except Exception as exc:  # cancelled at the limit
+            fitted["error"] = exc
+
+    worker = threading.Thread(target=fit)
+    worker.start()
+    worker.join(limit)
+    if worker.is_alive():
+        spark.sparkContext.cancelJobGroup(MLLIB_JOB_GROUP)
+        worker.join()
+        log.warning("MLlib's fit passed the %.0f s limit and was stopped: its times are lower bounds", limit)
+        capped = [Entry(name, float(limit), float("nan"), float("nan"), lower_bound=True) for name in MLLIB_ENTRIES]
+        return capped[0], capped[1], None
+    if "error" in fitted:
+        raise fitted["error"]
+    model, fit_seconds = fitted["model"], time.perf_counter() - start
     (
         model.transform(rows).drop("features_vector")
         .write.format("delta").mode("overwrite").save(str(out / "mllib_labels"))
@@ -177,11 +223,12 @@ def run_mllib(spark, data: str, out: Path, k: int, seed: int) -> tuple[Entry, En
         .toPandas().sort_values("row_id").cluster_id.to_numpy()
     )
     cost = model.summary.trainingCost
-    return (
-        Entry("Spark MLlib KMeans, fit only", fit_seconds, cost, 0.0),
-        Entry("Spark MLlib KMeans, fit + transform + Delta write", total, cost, 0.0),
-        labels,
-    )
+    return Entry(MLLIB_ENTRIES[0], fit_seconds, cost, 0.0), Entry(MLLIB_ENTRIES[1], total, cost, 0.0), labels
+
+
+MLLIB_JOB_GROUP = "kfed-bench-mllib"
+
+MLLIB_ENTRIES = ("Spark MLlib KMeans, fit only", "Spark MLlib KMeans, fit + transform + Delta write")
 
 
 def run_floor(data: str, out: Path, k: int, k_per_device: int, seed: int) -> tuple[Entry, np.ndarray]:
@@ -262,7 +309,7 @@ def fastest(repeats: int, run, seconds_of=lambda result: result[0].seconds):
 
 
 def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int, command: str,
-              with_sklearn: bool = True, repeats: int = 3) -> Report:
+              with_sklearn: bool = True, repeats: int = 3, mllib_limit: float | None = None) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     x, devices, truth, planted_cost = planted(data)
     shutil.rmtree(out / "kfed", ignore_errors=True)
@@ -279,7 +326,7 @@ def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
     runs_of_passes = [time_spark_passes(spark, data, out) for _ in range(repeats)]
     spark_passes = {name: min(passes[name] for passes in runs_of_passes) for name in runs_of_passes[0]}
     floor, floor_labels = fastest(repeats, lambda: run_floor(data, out, k, k_per_device, seed))
-    fit, mllib_total, mllib_labels = fastest(repeats, lambda: run_mllib(spark, data, out, k, seed),
+    fit, mllib_total, mllib_labels = fastest(repeats, lambda: run_mllib(spark, data, out, k, seed, mllib_limit),
                                              lambda result: result[1].seconds)
     measured = [(kfed, kfed_labels), (one_restart, one_restart_labels), (floor, floor_labels), (fit, mllib_labels),
                 (mllib_total, mllib_labels)]
@@ -287,11 +334,17 @@ def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
         sklearn, sklearn_labels = fastest(repeats, lambda: run_sklearn(x, k, seed))
         measured.append((sklearn, sklearn_labels))
     for entry, found in measured:
-        entry.ari = adjusted_rand_index(truth, found)
+        if found is not None:
+            entry.ari = adjusted_rand_index(truth, found)
         entry.cost_ratio = entry.cost / planted_cost
         entry.rows_per_second = len(x) / entry.seconds
+    at_least = " (lower bound: MLlib stopped at its limit)" if fit.lower_bound else ""
     ratios = {
-        "MLlib fit time / k-FED end-to-end time (target >= 8)": fit.seconds / kfed.seconds,
+        f"MLlib end-to-end time / k-FED end-to-end time (target >= 8 at 2M rows, >= 3 at 500k){at_least}":
+            mllib_total.seconds / kfed.seconds,
+        f"MLlib fit time / k-FED end-to-end time{at_least}": fit.seconds / kfed.seconds,
+        f"k-FED end-to-end time / Spark passes without clustering ({SHAPE_OF_KFED}) (target <= 1.2)":
+            kfed.seconds / spark_passes[SHAPE_OF_KFED],
         "k-FED end-to-end time / no-Spark floor time (target <= 2.5)": kfed.seconds / floor.seconds,
         f"Spark passes without clustering ({SHAPE_OF_KFED}) / no-Spark floor time":
             spark_passes[SHAPE_OF_KFED] / floor.seconds,
@@ -333,3 +386,58 @@ def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int)
         timings[f"kmeanspp / farthest seconds, server_refine={refine}"] = round(
             seconds["kmeanspp"] / seconds["farthest"], 3)  # from the unrounded times: small runs take < 1 ms
     return timings
+
+
+def generated_local_centers(spark, path: str, devices: int, per_device: int, k: int, dim: int, seed: int) -> None:
+    """Write devices x per_device local centers drawn around k means as Parquet, generated in the
+    executors (the driver never holds them), with the mean each one was drawn around (true_cluster)."""
+    from kfed_spark.bench.synthetic import MEAN_SCALE
+    from kfed_spark.kernels import device_rng
+    from kfed_spark.workers import features_array
+
+    means = np.random.default_rng([seed, 0x5E]).normal(0.0, MEAN_SCALE, size=(k, dim))
+
+    def draw(batches):
+        for batch in batches:
+            ids = batch.column(0).to_numpy()
+            rng = device_rng(seed, int(ids[0]))
+            truth = rng.integers(0, k, size=len(ids))
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(ids // per_device), pa.array((ids % per_device).astype(np.int32)),
+                 features_array(means[truth] + 0.1 * rng.standard_normal((len(ids), dim))),
+                 pa.array(rng.integers(50, 150, size=len(ids))), pa.array(truth.astype(np.int32))],
+                names=["device_id", "local_cluster_id", "center", "n_points", "true_cluster"])
+
+    schema = ("device_id long, local_cluster_id int, center array<double>, n_points long, true_cluster int")
+    partitions = max(2, devices * per_device // 250_000)
+    spark.range(0, devices * per_device, numPartitions=partitions).mapInArrow(draw, schema) \
+        .write.mode("overwrite").parquet(path)
+
+
+def benchmark_distributed_server(spark, out: Path, devices: int, per_device: int, k: int, dim: int,
+                                 seed: int) -> dict[str, float]:
+    """Time the distributed server step (kfed_spark.distributed) on generated local centers read from
+    Parquet: the merge, then every local center's cluster written back as Parquet; with the ARI of
+    those clusters against the means the centers were drawn around, and the peak memory."""
+    from kfed_spark.distributed import global_centers, with_clusters
+    from kfed_spark.metrics import ari_of
+
+    data = str(out / "local_centers")
+    generated_local_centers(spark, data, devices, per_device, k, dim, seed)
+    params = AlgorithmParams(k=k, seed=seed)
+    local = spark.read.parquet(data)
+    merged, merge_seconds = _timed(lambda: global_centers(local, dim, params))
+    _, assign_seconds = _timed(
+        lambda: with_clusters(local, merged.centers).write.mode("overwrite").parquet(str(out / "clustered")))
+    cells = spark.read.parquet(str(out / "clustered")).groupBy("true_cluster", "cluster_id").count().toPandas()
+    table = cells.pivot(index="true_cluster", columns="cluster_id", values="count").fillna(0).to_numpy()
+    return {
+        "local_centers": float(devices * per_device),
+        "k": float(k),
+        "representatives merged on the driver": float(len(merged.assignment)),
+        "seconds, representatives and merge": round(merge_seconds, 3),
+        "seconds, every local center's cluster (Parquet write)": round(assign_seconds, 3),
+        "seconds, distributed server step": round(merge_seconds + assign_seconds, 3),
+        "ARI against the generating means": round(ari_of(table), 6),
+        **{f"peak memory MB, {role}": round(mb) for role, mb in peak_memory_mb().items()},
+    }
