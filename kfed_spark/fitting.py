@@ -135,13 +135,17 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
         where = cfg.server_step
         if where != "driver":
             frame = frame.persist()
+            n_local = frame.count()  # the local step runs here; the server step reads the cached result
             if where == "auto":
-                where = "distributed" if frame.count() > cfg.server_distributed_above else "driver"
+                where = "distributed" if n_local > cfg.server_distributed_above else "driver"
         local = LocalCenters.from_arrow(frame.toArrow(), dim) if where == "driver" else None
     try:
         with timer.stage("server_step"):
             try:
-                local, server = merged_on_driver(local, params) if local is not None else merged_in_spark(frame, dim, params)
+                if local is not None:
+                    local, server = merged_on_driver(local, params)
+                else:
+                    local, server = merged_in_spark(frame, dim, params)
             except ValueError as exc:
                 raise KFedError(str(exc)) from None
     finally:
@@ -376,10 +380,11 @@ def label_rows(
     evaluation it gathers depends on how the rows are partitioned).
     """
     truth = [] if evaluation is None or evaluation.truth_col is None else [F.col(evaluation.truth_col)]
-    def label(batches: Iterator[tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
+
+    def label_partition(batches: Iterator[tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
         return label_arrays(batches, model, dim, evaluation)
 
-    labeller = arrow_udf(label, LABELS_TYPE).asNondeterministic()  # the type hints make it a SCALAR_ITER UDF
+    labeller = arrow_udf(label_partition, LABELS_TYPE).asNondeterministic()  # type hints: a SCALAR_ITER UDF
     labelled = rows.withColumn(
         LABELS_COL, labeller(F.col(REASON_COL).isNull(), F.col(device_col), F.col(FEATURES_COL), *truth)
     )
