@@ -176,7 +176,8 @@ def new_delta_table(spark, path: Path, schema, properties: dict[str, str] | None
     shutil.rmtree(path, ignore_errors=True)
     columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in schema.fields)
     settings = ", ".join(f"'{key}' = '{value}'" for key, value in (properties or {}).items())
-    spark.sql(f"CREATE TABLE delta.`{path}` ({columns}) USING delta" + (f" TBLPROPERTIES ({settings})" if settings else ""))
+    properties_clause = f" TBLPROPERTIES ({settings})" if settings else ""
+    spark.sql(f"CREATE TABLE delta.`{path}` ({columns}) USING delta{properties_clause}")
 
 
 def run_mllib(spark, data: str, out: Path, k: int, seed: int,
@@ -408,7 +409,7 @@ def generated_local_centers(spark, path: str, devices: int, per_device: int, k: 
                  pa.array(rng.integers(50, 150, size=len(ids))), pa.array(truth.astype(np.int32))],
                 names=["device_id", "local_cluster_id", "center", "n_points", "true_cluster"])
 
-    schema = ("device_id long, local_cluster_id int, center array<double>, n_points long, true_cluster int")
+    schema = "device_id long, local_cluster_id int, center array<double>, n_points long, true_cluster int"
     partitions = max(2, devices * per_device // 250_000)
     spark.range(0, devices * per_device, numPartitions=partitions).mapInArrow(draw, schema) \
         .write.mode("overwrite").parquet(path)
