@@ -39,8 +39,8 @@ def global_centers(local: DataFrame, dim: int, params: AlgorithmParams) -> Serve
         lambda batches: representatives_from_batches(batches, m, dim, params.seed), REPRESENTATIVE_SCHEMA
     ).toArrow()
     x = feature_matrix(found.column("center"), dim)
-    every_one_its_own = np.arange(len(x))  # representatives belong to no device
-    return server_step(x, found.column("weight").to_numpy(), every_one_its_own, np.zeros(len(x), dtype=np.int64),
+    own_devices = np.arange(len(x))  # a representative belongs to no device: each is its own
+    return server_step(x, found.column("weight").to_numpy(), own_devices, np.zeros(len(x), dtype=np.int64),
                        dataclasses.replace(params, robust_min_size=0.0))
 
 

@@ -437,7 +437,7 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
             f"  device column: {cfg.input.device_col}; features: {cfg.input.features_col} (dimension {dim})",
             f"k-FED: k = {cfg.k}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
             f"local_restarts = {cfg.local_restarts}, seeding = {cfg.seeding}, robust_min_size = {cfg.robust_min_size}, "
-            f"server_refine = {cfg.server_refine}, label_mode = {cfg.label_mode}, "
+            f"server_refine = {cfg.server_refine}, server_step = {cfg.server_step}, label_mode = {cfg.label_mode}, "
             f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
             f"run id: {cfg.run_id or '(from the start time)'}",
             f"output: {tables.root}/{{{','.join(TABLES)}}}"
