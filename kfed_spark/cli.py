@@ -48,15 +48,17 @@ def stop_on_sigterm() -> None:
     """On SIGTERM (what Airflow sends on a timeout), interrupt this session's Spark work and raise
     Terminated in the main thread, so that the run records its attempt as failed and exits.
 
-    The interrupt is sent from a thread of its own: the main thread may be waiting inside a py4j
-    call, whose connection cannot carry another command until it returns.
+    The main thread may be waiting inside a py4j call (a count, a write), whose connection cannot
+    carry another command until it returns: so the session is the one build_session remembered
+    (asking the JVM for the active one hung the process), and the interrupt goes from a thread of
+    its own, over its own connection.
     """
 
     def handler(signum, frame):
-        from pyspark.sql import SparkSession
+        from kfed_spark.session import last_built_session
 
         STOP_REQUESTED.set()
-        spark = SparkSession.getActiveSession()
+        spark = last_built_session()
         if spark is not None:
             threading.Thread(target=spark.interruptAll, daemon=True).start()
         raise Terminated(STOPPED)

@@ -30,8 +30,17 @@ DELTA_JARS_ENV = "KFED_DELTA_JARS"
 """Comma-separated local Delta jars, for machines that cannot resolve packages from Maven."""
 
 
+_last_built: list[SparkSession] = []
+
+
+def last_built_session() -> SparkSession | None:
+    """The session build_session last returned, found without a call into the JVM: a SIGTERM handler
+    runs in the main thread, which may be inside a py4j call whose connection must not carry another."""
+    return _last_built[-1] if _last_built else None
+
+
 def build_session(spark_cfg: SparkConfig) -> SparkSession:
-    """A SparkSession with the Delta extensions, or a Spark Connect session.
+    """A SparkSession with the Delta extensions, or a Spark Connect session (also last_built_session()).
 
     Delta's jars come, in this order, from KFED_DELTA_JARS, from jars the configuration already
     names (spark.jars / spark.jars.packages, as on a cluster), or from Maven through
@@ -51,7 +60,7 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
             log.debug("over Spark Connect the server decides %s: not sent", server_side)
         for key, value in sent.items():
             builder = builder.config(key, conf_value(value))
-        return builder.remote(remote).getOrCreate()
+        return _remembered(builder.remote(remote).getOrCreate())
     if spark_cfg.master:
         builder = builder.master(spark_cfg.master)
     if is_local(spark_cfg) and "PYSPARK_PYTHON" not in os.environ:
@@ -76,6 +85,11 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     session = builder.getOrCreate()
     if resolve:
         remember_delta_jars(session)
+    return _remembered(session)
+
+
+def _remembered(session: SparkSession) -> SparkSession:
+    _last_built[:] = [session]
     return session
 
 
