@@ -150,7 +150,7 @@ def test_the_labelling_pass_sends_only_the_device_and_the_features_to_python(spa
         ._jdf.queryExecution().executedPlan().toString()
     python_nodes = [line for line in plan.splitlines() if "Python" in line or "Arrow" in line]
     assert len(python_nodes) == 1 and "ArrowEvalPython" in python_nodes[0], plan
-    udf_arguments = re.search(r"\[label\((.*?)\)#", python_nodes[0]).group(1)
+    udf_arguments = re.search(r"\[label_partition\((.*?)\)#", python_nodes[0]).group(1)
     assert re.sub(r"#\d+L?", "", udf_arguments) == "isnull(__kfed_reason), device_id, __kfed_features"
     assert (labelled.note == "row " + labelled.row_id.astype(str)).all()
     assert list(labelled.columns) == [*raw.columns, "local_cluster_id", "cluster_id"]
