@@ -1,5 +1,5 @@
-"""The `kfed-spark` command: run, assign, sql, report, maintain, package, generate, prepare, demo, bench,
-bench-quality, bench-server.
+"""The `kfed-spark` command: run, assign, stream, sql, report, maintain, package, generate, prepare, demo,
+bench, bench-quality, bench-server.
 
 spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
 """
@@ -98,12 +98,29 @@ def build_parser() -> argparse.ArgumentParser:
         "assign",
         help="label a new input with a published run's model and write it as a new run of the same tables",
     )
-    assign.add_argument("--model-run", required=True, metavar="RUN_ID", help="the published run whose model to apply")
+    add_model_arguments(assign, required=True)
     assign.add_argument("--config", required=True, help="YAML config: the new input, the same output.path")
     assign.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a dotted config key (repeatable)")
     add_run_output_arguments(assign)
     assign.set_defaults(handler=command_assign)
+
+    stream = commands.add_parser(
+        "stream",
+        help="label rows as they arrive in the input (files of a folder, a Delta table) with a finished model, "
+        "appending them to stream_labels and stream_quarantine exactly once",
+    )
+    add_model_arguments(stream, required=False)
+    stream.add_argument("--config", required=True, help="YAML config: the input to watch, output.path, stream.*")
+    stream.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a dotted config key (repeatable)")
+    trigger = stream.add_mutually_exclusive_group()
+    trigger.add_argument("--available-now", action="store_true",
+                         help="label what has arrived since the last batch, then stop (for scheduled tasks)")
+    trigger.add_argument("--trigger-seconds", type=float, metavar="SECONDS",
+                         help="run on, one micro-batch every SECONDS (default stream.trigger_seconds, 60)")
+    add_run_output_arguments(stream)
+    stream.set_defaults(handler=command_stream)
 
     sql = commands.add_parser(
         "sql", help="run a Spark SQL query against the tables of an output location and print the result"
@@ -201,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--driver-memory", default="2g", help="with --distributed: Spark driver memory (default 2g)")
     server.set_defaults(handler=command_bench_server)
     return parser
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    """--model-run RUN_ID or --model PATH: the finished model that assign and stream apply."""
+    group = parser.add_mutually_exclusive_group(required=required)
+    group.add_argument("--model-run", metavar="RUN_ID", help="the published run under output.path whose model to apply"
+                       + ("" if required else " (default: the newest succeeded run)"))
+    group.add_argument("--model", metavar="PATH", help="a KFedModel saved by the estimator (model.write().save(PATH))")
 
 
 def add_run_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -365,23 +390,45 @@ def shipped_config(path: str | None) -> str | None:
     return path
 
 
-def execute(cfg: KFedConfig, parent_run_id: str | None = None):
+def execute(cfg: KFedConfig, parent_run_id: str | None = None, model_path: str | None = None):
     """Start (or join) the SparkSession the config describes and run the job in it."""
     from kfed_spark.job import run
     from kfed_spark.session import build_session
 
     spark = build_session(cfg.spark)
-    return run(spark, cfg, parent_run_id)
+    return run(spark, cfg, parent_run_id, model_path)
 
 
 def command_assign(args: argparse.Namespace) -> int:
     cfg = spark_quiet(load_config(shipped_config(args.config), args.overrides), args)
     stop_on_sigterm()
-    result = execute(cfg, parent_run_id=args.model_run)
+    result = execute(cfg, parent_run_id=args.model_run, model_path=args.model)
     print_result(
         args, result,
-        f"run {result.run_id} (model of run {args.model_run}): {result.n_labelled} rows labelled, "
+        f"run {result.run_id} (model of {result.parent_run_id}): {result.n_labelled} rows labelled, "
         f"{result.n_quarantined} quarantined, {result.n_devices} devices in the model; tables under {result.output_path}",
+    )
+    return 0
+
+
+def command_stream(args: argparse.Namespace) -> int:
+    from kfed_spark.io import OutputTables
+    from kfed_spark.models import saved_model, stored_model
+    from kfed_spark.session import build_session
+    from kfed_spark.streaming import start
+
+    overrides = args.overrides + ([] if args.trigger_seconds is None else [f"stream.trigger_seconds={args.trigger_seconds}"])
+    cfg = spark_quiet(load_config(shipped_config(args.config), overrides), args)
+    stop_on_sigterm()
+    spark = build_session(cfg.spark)
+    model = saved_model(spark, args.model) if args.model else stored_model(OutputTables(spark, cfg.output), args.model_run)
+    query, result = start(spark, cfg, model, args.available_now)
+    query.awaitTermination()
+    print_result(
+        args, result,
+        f"stream with the model of {result.model_run_id}: {result.batches} micro-batches, {result.n_labelled} rows "
+        f"labelled, {result.n_quarantined} quarantined, {result.n_new_devices} devices the model had not seen; "
+        f"tables under {result.output_path}",
     )
     return 0
 

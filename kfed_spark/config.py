@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from kfed_spark.errors import ConfigError
-from kfed_spark.params import AlgorithmParams, integer
+from kfed_spark.params import AlgorithmParams, finite_number, integer
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 IDENTIFIER_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -29,12 +29,31 @@ class InputConfig:
     features_col: str | list[str] = "features"
     truth_col: str | None = None
     options: dict[str, str] = field(default_factory=dict)
+    schema: str | None = None
+    """The input's columns as DDL ("device_id string, features array<double>"); by default the files' own.
+    A stream over a folder that has no files yet needs it."""
 
 
 @dataclass(frozen=True)
 class OutputConfig:
     path: str | None = None
     database: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Where `kfed-spark stream` writes (paths; by default under output.path) and how it triggers."""
+
+    labels: str | None = None
+    """Delta table of the labelled rows (default <output.path>/stream_labels)."""
+    quarantine: str | None = None
+    """Delta table of the bad rows (default <output.path>/stream_quarantine)."""
+    checkpoint: str | None = None
+    """The query's checkpoint (default <output.path>/_checkpoints/stream): a restart resumes from it."""
+    trigger_seconds: float = 60.0
+    """Seconds between micro-batches when the stream runs on (without --available-now)."""
+    max_files_per_trigger: int | None = None
+    """Files of new input per micro-batch at most (default: all that arrived)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,7 @@ class KFedConfig(AlgorithmParams):
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     spark: SparkConfig = field(default_factory=SparkConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     run_id: str | None = None
     local_partitions: int | None = None
     on_bad_rows: str = "quarantine"
@@ -60,7 +80,7 @@ class KFedConfig(AlgorithmParams):
     """Write report.json and report.html under <output.path>/reports/<run_id>/<attempt_id>/."""
 
 
-SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig}
+SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig, "stream": StreamConfig}
 MAPPING_KEYS = ("spark.conf", "input.options")
 """Config keys whose values are free-form mappings with dotted keys of their own."""
 
@@ -174,12 +194,19 @@ def validate_io(cfg: KFedConfig) -> None:
         raise ConfigError(f"input.table {inp.table!r} is not a table name like db.table")
     if inp.format not in INPUT_FORMATS:
         raise ConfigError(f"input.format must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
+    if inp.schema is not None and (inp.table is not None or inp.format == "delta" or not isinstance(inp.schema, str)):
+        raise ConfigError("input.schema is DDL text for files of a path (a table or Delta input has its own schema)")
     if cfg.output.path is None:
         raise ConfigError("output.path is required: the folder the Delta tables are written under")
     if "'" in str(cfg.output.path):
         raise ConfigError("output.path must not contain a single quote")
     if cfg.output.database is not None and not IDENTIFIER_PATTERN.match(str(cfg.output.database)):
         raise ConfigError(f"output.database {cfg.output.database!r} is not a plain identifier")
+    stream = cfg.stream
+    if finite_number(stream.trigger_seconds) or stream.trigger_seconds == 0:
+        raise ConfigError(f"stream.trigger_seconds must be a number > 0, got {stream.trigger_seconds!r}")
+    if stream.max_files_per_trigger is not None and integer(1)(stream.max_files_per_trigger):
+        raise ConfigError(f"stream.max_files_per_trigger must be an integer >= 1, got {stream.max_files_per_trigger!r}")
 
 
 def resolve_run_id(cfg: KFedConfig) -> str:

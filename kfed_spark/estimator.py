@@ -3,9 +3,11 @@
 >>> model = KFed(k=4, kPerDevice=2, deviceCol="device_id", seed=1).fit(df)      # doctest: +SKIP
 >>> model.transform(df).select("device_id", "prediction", "local_prediction")  # doctest: +SKIP
 >>> model.write().overwrite().save(path); KFedModel.load(path)                 # doctest: +SKIP
+>>> KFedModel.from_run("/data/kfed", "2026-11-29")                             # doctest: +SKIP
 
 It runs the same code as `kfed-spark run` (kfed_spark.fitting.fit and label_rows); only the
-output columns and the persistence differ.
+output columns and the persistence differ. A run's model becomes a KFedModel with from_run, and a
+saved KFedModel serves `kfed-spark assign` and `stream` with --model PATH (kfed_spark.models).
 """
 
 from __future__ import annotations
@@ -19,24 +21,14 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 
-from kfed_spark.config import InputConfig, KFedConfig, validate_columns
-from kfed_spark.errors import ConfigError
-from kfed_spark.fitting import (
-    LOCAL_CENTER_COLUMNS,
-    REASON_COL,
-    LocalCenters,
-    extend_with_new_devices,
-    fit,
-    label_rows,
-    validated,
-)
+from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
+from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, REASON_COL, LocalCenters, fit, label_rows, validated
+from kfed_spark.io import OutputTables
 from kfed_spark.kernels import LabelModel
+from kfed_spark.models import SAVED_LOCAL_CENTERS, read_saved, stored_model
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import SQ_DIST_COL
-
-LOCAL_CENTERS_DATA = "data/local_centers"
 
 
 def _camel(name: str) -> str:
@@ -144,10 +136,23 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         self._local: pa.Table | None = None
         self._centers: np.ndarray | None = None
 
-    def _with_state(self, local: LocalCenters, assignment: np.ndarray, centers: np.ndarray) -> "KFedModel":
-        self._local = local.table.append_column("cluster_id", pa.array(assignment, type=pa.int32()))
+    def _with_state(self, local: LocalCenters | pa.Table, assignment: np.ndarray, centers: np.ndarray) -> "KFedModel":
+        table = local.table if isinstance(local, LocalCenters) else local
+        self._local = table.append_column("cluster_id", pa.array(assignment, type=pa.int32()))
         self._centers = np.asarray(centers, dtype=np.float64)
         return self
+
+    @classmethod
+    def from_run(cls, output_path: str, run_id: str | None = None) -> "KFedModel":
+        """The model of a published run of `kfed-spark run` (by default the newest succeeded one) under
+        output_path, with the run's parameters and column names."""
+        from pyspark.sql import SparkSession
+
+        stored = stored_model(OutputTables(SparkSession.active(), OutputConfig(path=output_path)), run_id)
+        model = cls()._with_state(stored.local, stored.assignment, stored.centers)
+        settings = {name: stored.config[spec.name] for name, spec in ALGORITHM_PARAMS.items() if spec.name in stored.config}
+        columns = {"deviceCol": stored.config["input"]["device_col"], "featuresCol": stored.config["input"]["features_col"]}
+        return model._set(**settings, **{name: value for name, value in columns.items() if isinstance(value, str)})
 
     def setPredictionCol(self, value: str) -> "KFedModel":
         return self._set(predictionCol=value)
@@ -180,16 +185,15 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         return LocalCenters.from_arrow(self._local.select(LOCAL_CENTER_COLUMNS), self._centers.shape[1])
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
-        """Label rows; devices the model has not seen are clustered locally and their centers joined to
-        the nearest global centers (the paper's section 3.2), without touching anyone else."""
+        """Label rows: a plan, no Spark job, so it works on a streaming DataFrame too. A row of a device
+        the model has not seen takes the nearest global center and a null local prediction (its label
+        depends on the row alone); `kfed-spark assign` clusters such devices locally instead."""
         cfg = self._config()
         dim = self._centers.shape[1]
         checked, _ = validated(dataset, cfg, dim)
-        local, clusters = extend_with_new_devices(
-            checked.filter(F.col(REASON_COL).isNull()), cfg, dim, self._local_centers(),
-            self._local.column("cluster_id").to_numpy(), self._centers,
-        )
-        model = LabelModel.build(local.devices, local.ids, local.centers, clusters, self._centers, cfg.label_mode)
+        local = self._local_centers()
+        model = LabelModel.build(local.devices, local.ids, local.centers, self._local.column("cluster_id").to_numpy(),
+                                 self._centers, cfg.label_mode, label_unseen=True)
         return (
             label_rows(checked, model, dataset.schema, cfg.input.device_col, dim)
             .drop(SQ_DIST_COL, REASON_COL)
@@ -245,7 +249,7 @@ class _DataFrameWriter(MLWriter):
                 raise
             raise FileExistsError(f"{path} already holds a saved instance: use write().overwrite().save(path)") from None
         if self.data is not None:
-            spark.createDataFrame(self.data).write.mode(mode).parquet(f"{path}/{LOCAL_CENTERS_DATA}")
+            spark.createDataFrame(self.data).write.mode(mode).parquet(f"{path}/{SAVED_LOCAL_CENTERS}")
 
 
 def _model_writer(model: KFedModel) -> _DataFrameWriter:
@@ -260,13 +264,9 @@ class _KFedModelReader(MLReader["KFedModel"]):
         self.cls = cls
 
     def load(self, path: str) -> KFedModel:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata, centers, local = read_saved(self.sparkSession, path)
         model = self.cls()
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)
-        table = self.sparkSession.read.parquet(f"{path}/{LOCAL_CENTERS_DATA}").toArrow()
-        if "centers" not in metadata:
-            raise ConfigError(f"{path} holds no k-FED model (no centers in its metadata)")
-        model._local = table.sort_by([("device_id", "ascending"), ("local_cluster_id", "ascending")])
-        model._centers = np.asarray(metadata["centers"], dtype=np.float64)
+        model._local, model._centers = local, centers
         return model

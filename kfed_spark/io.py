@@ -32,6 +32,9 @@ log = logging.getLogger("kfed_spark")
 TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "runs")
 DATA_TABLES = TABLES[:-1]
 """The tables whose rows belong to one attempt of a run; `runs` says which attempts are published."""
+STREAM_TABLES = ("stream_labels", "stream_quarantine")
+"""The tables `kfed-spark stream` appends each micro-batch to, exactly once; not partitioned by attempt:
+every row in them is final."""
 PARTITION_COLUMNS = ("run_id", "attempt_id")
 URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 """A scheme such as s3a:, file: or abfss: (anything else is a local path)."""
@@ -66,6 +69,9 @@ TABLE_COMMENTS = {
                        "(for per-cluster models and client selection)",
     "runs": "k-FED: one row per attempt of a run; the succeeded attempt with the highest publish_seq of a "
             "run_id is the published one",
+    "stream_labels": "k-FED stream: every valid row that arrived, with its global cluster from a finished run's "
+                     "model, written exactly once",
+    "stream_quarantine": "k-FED stream: rows that arrived and could not be labelled, with the reason",
 }
 """Each output table's Delta comment (DESCRIBE DETAIL shows it as description)."""
 COLUMN_COMMENTS = {
@@ -81,7 +87,8 @@ COLUMN_COMMENTS = {
     "rows_removed": "whether the rows of this unpublished attempt were deleted from the other tables",
     "host": "the host of the driver process of the attempt",
     "pid": "the process id of the driver of the attempt",
-    "parent_run_id": "for a run made by assign: the run whose model labelled the rows",
+    "parent_run_id": "for a run made by assign: the run whose model labelled the rows (model:<path> for a saved "
+                     "KFedModel)",
     "started_at": "when the attempt started (UTC)",
     "finished_at": "when the attempt finished (UTC)",
     "input": "the input table or path",
@@ -105,12 +112,19 @@ COLUMN_COMMENTS = {
     "ari": "adjusted Rand index against the truth column, if the input has one",
     "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
     "timings": "seconds spent in each stage",
+    "model_run_id": "the run whose model labelled the row (model:<path> for a saved KFedModel)",
+    "new_device": "whether the model had not seen the row's device: it took the nearest global center, and the "
+                  "next run clusters the device",
+    "batch_id": "the stream's micro-batch that wrote the row",
+    "arrived_at": "when the micro-batch that wrote the row started (UTC)",
     "config": "the run's full configuration, as JSON",
     "versions": "versions of kfed-spark, Spark, Delta and the numeric libraries",
 }
 """Delta comments of the output columns; a column not named here is the input's and says so."""
 TABLE_COLUMN_COMMENTS = {
     ("labels", "cluster_id"): "the global cluster of the row",
+    ("stream_labels", "cluster_id"): "the global cluster of the row",
+    ("stream_labels", "local_cluster_id"): "the device's local cluster the row belongs to (null for a new device)",
     ("centers", "cluster_id"): "the global cluster",
     ("centers", "n_points"): "rows in the cluster",
     ("centers", "n_devices"): "devices with rows in the cluster",
@@ -135,14 +149,26 @@ def sql_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def read_input(spark: SparkSession, inp: InputConfig) -> DataFrame:
-    """The input table as a DataFrame, or an InputError that says what is missing."""
+def read_input(spark: SparkSession, inp: InputConfig, streaming: bool = False) -> DataFrame:
+    """The input table as a DataFrame (a streaming one that reads what arrives, with streaming), or an
+    InputError that says what is missing. A stream over files takes input.schema, else the schema
+    of the files already there."""
     where = f"table {inp.table}" if inp.table else f"{inp.format} input {inp.path}"
+    reader = spark.readStream if streaming else spark.read
     try:
         if inp.table:
-            return resolved(spark.read.table(inp.table))
+            return resolved(reader.table(inp.table))
         options = {**(CSV_DEFAULTS if inp.format == "csv" else {}), **inp.options}
-        return resolved(spark.read.format(inp.format).options(**options).load(inp.path))
+        schema = inp.schema
+        if streaming and schema is None and inp.format != "delta":
+            try:
+                schema = read_input(spark, inp).schema
+            except InputError:
+                raise InputError(f"cannot stream {where}: it holds no files to take the schema from yet; set "
+                                 "input.schema") from None
+        if schema is not None:
+            reader = reader.schema(schema)
+        return resolved(reader.format(inp.format).options(**options).load(inp.path))
     except AnalysisException as exc:
         raise InputError(f"cannot read {where}: {first_line(exc)}") from None
 
@@ -196,13 +222,15 @@ class AttemptConflict(KFedError):
 class OutputTables:
     """The Delta tables of one output location."""
 
-    def __init__(self, spark: SparkSession, output: OutputConfig):
+    def __init__(self, spark: SparkSession, output: OutputConfig, locations: dict[str, str] | None = None):
         self.spark = spark
         self.root = absolute(str(output.path)).rstrip("/")
         self.database = output.database
+        self.locations = {name: absolute(path) for name, path in (locations or {}).items()}
+        """Tables that are somewhere else than <root>/<name> (stream.labels and stream.quarantine)."""
 
     def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        return self.locations.get(name) or f"{self.root}/{name}"
 
     def source(self, name: str) -> str:
         """The table in SQL, by path."""
@@ -341,7 +369,6 @@ class OutputTables:
                 self.check_schema(name, schemas[name])
 
         _concurrently(create, [name for name in schemas if not present[name]])
-        self.register()
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -365,8 +392,9 @@ class OutputTables:
             yield
 
     def _create(self, name: str, schema: StructType, stats_columns: list[str] | None = None) -> None:
-        """Create a table, empty, with its comments and partitioning, in one commit (CREATE TABLE AS SELECT
-        from an empty view carries any column type, Spark ML vectors included, and the comments)."""
+        """Create a table, empty, with its comments and partitioning (partition_columns), in one commit
+        (CREATE TABLE AS SELECT from an empty view carries any column type, Spark ML vectors included,
+        and the comments)."""
         view = f"kfed_create_{name}_{uuid.uuid4().hex[:8]}"
         properties = "" if stats_columns is None else (
             f"TBLPROPERTIES ('{STATS_COLUMNS_PROPERTY}' = "
@@ -377,16 +405,18 @@ class OutputTables:
         self.spark.createDataFrame([], commented).createOrReplaceTempView(view)
         try:
             with self.writing(name):
+                partitioned = f"PARTITIONED BY ({', '.join(partition_columns(name))}) " if partition_columns(name) else ""
                 self.spark.sql(
-                    f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta "
-                    f"PARTITIONED BY ({', '.join(PARTITION_COLUMNS)}) COMMENT {sql_string(TABLE_COMMENTS[name])} "
-                    f"{properties}AS SELECT * FROM {view}"
+                    f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta {partitioned}"
+                    f"COMMENT {sql_string(TABLE_COMMENTS[name])} {properties}AS SELECT * FROM {view}"
                 )
         finally:
             self.spark.catalog.dropTempView(view)
 
     def _write(self, df: DataFrame, name: str, mode: str, note: str, **options: str) -> None:
-        writer = df.write.format("delta").partitionBy(*PARTITION_COLUMNS).mode(mode).option("userMetadata", note)
+        writer = df.write.format("delta").mode(mode).option("userMetadata", note)
+        if partition_columns(name):
+            writer = writer.partitionBy(*partition_columns(name))
         with self.writing(name):
             writer.options(**options).save(self.path(name))
 
@@ -397,6 +427,17 @@ class OutputTables:
         def write(name: str) -> None:
             self._write(frames[name], name, "append", f"kfed-spark run {run_id} attempt {attempt_id}")
             log.info("wrote %s for run %s (attempt %s)", self.path(name), run_id, attempt_id)
+
+        _concurrently(write, list(frames))
+
+    def append_batch(self, frames: dict[str, DataFrame], app_id: str, batch_id: int) -> None:
+        """Append a stream's micro-batch to its tables, each write idempotent: it carries Delta's marker
+        (txnAppId = app_id, txnVersion = batch_id), and Delta skips it if the table has committed that
+        batch of that app already, as when a batch is replayed after its process was killed."""
+
+        def write(name: str) -> None:
+            self._write(frames[name], name, "append", f"kfed-spark stream {app_id} batch {batch_id}",
+                        txnAppId=app_id, txnVersion=str(batch_id))
 
         _concurrently(write, list(frames))
 
@@ -498,9 +539,15 @@ class OutputTables:
             return []
         names = [name for name in DATA_TABLES if self.exists(name)]
         views = self._views(names, self.source("runs"), self.source)
+        views.update({name: f"SELECT * FROM {self.source(name)}" for name in STREAM_TABLES if self.exists(name)})
         for view, query in views.items():
             self.spark.sql(f"CREATE OR REPLACE TEMPORARY VIEW {view} AS {query}")
         return list(views)
+
+
+def partition_columns(name: str) -> tuple[str, ...]:
+    """A table's partition columns: (run_id, attempt_id) for a run's tables, none for a stream's."""
+    return () if name in STREAM_TABLES else PARTITION_COLUMNS
 
 
 def _concurrently(commit: Callable[[str], object], names: list[str]) -> None:

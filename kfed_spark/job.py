@@ -25,7 +25,6 @@ from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import ConfigError, InputError, KFedError, describe
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.fitting import (
-    LOCAL_CENTER_COLUMNS,
     LOCAL_CENTER_FIELDS,
     REASON_COL,
     Clustering,
@@ -39,6 +38,7 @@ from kfed_spark.fitting import (
 )
 from kfed_spark.io import TABLES, OutputTables, absolute, read_input
 from kfed_spark.kernels import LabelModel, ServerClustering
+from kfed_spark.models import StoredModel, saved_model, stored_model
 from kfed_spark.metrics import ari_of
 from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
 
@@ -84,16 +84,18 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) -> RunResult:
+def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, model_path: str | None = None
+        ) -> RunResult:
     """Cluster the configured input with k-FED as a new attempt of the run id, and publish it.
 
     Everything that can be checked is checked before anything is written. Then the attempt is
     recorded as running, its rows are appended to every table, and one commit of its `runs` row
     publishes it (kfed_spark.attempts). A failure, or SIGTERM, records it as failed instead.
 
-    With parent_run_id, nothing is fitted: the input is labelled with that published run's model
-    (its local and global centers), devices it has not seen are clustered locally and joined to
-    the nearest global centers, and the new run records its parent.
+    With parent_run_id (or model_path, a saved KFedModel), nothing is fitted: the input is labelled
+    with that published run's model (its local and global centers), devices it has not seen are
+    clustered locally and joined to the nearest global centers (the paper's section 3.2), and the new
+    run records where its model came from (the run id, or model:<path>) as its parent_run_id.
     """
     run_id = resolve_run_id(cfg)
     if parent_run_id == run_id:
@@ -103,12 +105,15 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None) 
     tables = OutputTables(spark, cfg.output)
     with timer.stage("validate"):
         raw = read_input(spark, cfg.input)
-        parent = None if parent_run_id is None else stored_model(tables, parent_run_id)
+        parent = (stored_model(tables, parent_run_id) if parent_run_id is not None
+                  else saved_model(spark, model_path) if model_path is not None else None)
+        parent_run_id = None if parent is None else parent.origin
         checked, dim = validated(raw, cfg, None if parent is None else parent.dim)
         check_device_ids(checked, cfg.input.device_col)
         faults.point("checked")
         schemas = output_schemas(raw.schema, cfg.input.device_col)
         tables.prepare(schemas, stats_columns(cfg.input.device_col))
+        tables.register()
         faults.point("created")
     ledger = Ledger(tables)
     row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
@@ -175,35 +180,6 @@ def check_device_ids(checked: DataFrame, device_col: str) -> None:
                              "whole numbers")
     if checked.filter(device.isNotNull()).isEmpty():
         raise InputError(f"the device column {device_col!r} is null in every row")
-
-
-@dataclass(frozen=True)
-class StoredModel:
-    """A published run's model as its tables hold it: global centers, local centers and their clusters."""
-
-    centers: np.ndarray
-    local: pa.Table
-    assignment: np.ndarray
-
-    @property
-    def dim(self) -> int:
-        return self.centers.shape[1]
-
-
-def stored_model(tables: OutputTables, run_id: str) -> StoredModel:
-    """The model of a published run, or a one-line error if the location has no published run of that id."""
-    if not tables.check_log("runs") or not tables.check_log("centers"):
-        raise KFedError(f"no published run {run_id!r} under {tables.root}")
-    this_run = F.col("run_id") == run_id
-    centers_rows = tables.published("centers").filter(this_run).orderBy("cluster_id").toArrow()
-    if centers_rows.num_rows == 0:
-        raise KFedError(f"no published run {run_id!r} under {tables.root}")
-    stored = tables.published("local_centers").filter(this_run).select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
-    return StoredModel(
-        np.array(centers_rows.column("center").to_pylist(), dtype=np.float64),
-        stored.select(LOCAL_CENTER_COLUMNS),
-        stored.column("cluster_id").to_numpy(),
-    )
 
 
 def apply_model(checked: DataFrame, dim: int, cfg: KFedConfig, parent: StoredModel, timer: StageTimer) -> Clustering:

@@ -526,6 +526,10 @@ class LabelModel:
     Devices are rows of padded arrays: device_centers (devices, k', d), center_valid (devices,
     k'), center_cluster (devices, k'). It travels to the workers inside the labelling function,
     which Spark broadcasts once it is large.
+
+    With label_unseen, a row of a device the model has no local centers for takes the nearest global
+    center and local cluster -1 (what streams and the estimator's transform do: the label then depends
+    on the row alone, never on which other rows of its device arrived with it); without, it is an error.
     """
 
     devices: np.ndarray
@@ -534,9 +538,11 @@ class LabelModel:
     center_cluster: np.ndarray
     global_centers: np.ndarray
     label_mode: str
+    label_unseen: bool = False
 
     @classmethod
-    def build(cls, devices, local_ids, centers, clusters, global_centers, label_mode) -> "LabelModel":
+    def build(cls, devices, local_ids, centers, clusters, global_centers, label_mode,
+              label_unseen: bool = False) -> "LabelModel":
         keys, slot = np.unique(np.asarray(devices), return_inverse=True)
         width = int(np.max(local_ids)) + 1
         device_centers = np.zeros((len(keys), width, centers.shape[1]))
@@ -545,21 +551,25 @@ class LabelModel:
         device_centers[slot, local_ids] = centers
         center_valid[slot, local_ids] = True
         center_cluster[slot, local_ids] = clusters
-        return cls(keys, device_centers, center_valid, center_cluster, global_centers, label_mode)
+        return cls(keys, device_centers, center_valid, center_cluster, global_centers, label_mode, label_unseen)
 
     def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(local_cluster_id, cluster_id, squared distance to the global center) per row."""
         slots = pd.Index(self.devices).get_indexer(devices)
-        if np.any(slots < 0):
-            unknown = plain(devices[np.flatnonzero(slots < 0)[0]])
-            raise ValueError(f"device {unknown!r} has no local centers in this model")
-        local, _ = nearest_device_center(x, slots, self.device_centers, self.center_valid)
-        if self.label_mode == "nearest":
-            cluster, sq_dist = nearest_center(x, self.global_centers)
-        else:
-            cluster = self.center_cluster[slots, local]
-            diff = x - self.global_centers[cluster]
-            sq_dist = np.einsum("ij,ij->i", diff, diff)
+        unseen = slots < 0
+        if np.any(unseen) and not self.label_unseen:
+            raise ValueError(f"device {plain(devices[np.flatnonzero(unseen)[0]])!r} has no local centers in this model")
+        seen = np.flatnonzero(~unseen) if np.any(unseen) else slice(None)  # a slice: no copy of x in the usual case
+        local = np.full(len(x), -1, dtype=np.int64)
+        cluster = np.empty(len(x), dtype=np.int64)
+        sq_dist = np.empty(len(x), dtype=np.float64)
+        local[seen], _ = nearest_device_center(x[seen], slots[seen], self.device_centers, self.center_valid)
+        by_nearest = slice(None) if self.label_mode == "nearest" else np.flatnonzero(unseen)
+        cluster[by_nearest], sq_dist[by_nearest] = nearest_center(x[by_nearest], self.global_centers)
+        if self.label_mode != "nearest":
+            cluster[seen] = self.center_cluster[slots[seen], local[seen]]
+            diff = x[seen] - self.global_centers[cluster[seen]]
+            sq_dist[seen] = np.einsum("ij,ij->i", diff, diff)
         return local, cluster, sq_dist
 
 

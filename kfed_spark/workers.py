@@ -244,8 +244,8 @@ def label_arrays(
 
     Rows that are not labellable (validation gave them a reason) get nulls. A labellable row whose
     features hold a null, NaN or infinite value gets non_finite = true instead of a label: numpy
-    checks that for next to nothing. Labelled rows get local_cluster_id, cluster_id and their
-    squared distance to the global center. With an evaluation spec, the partition's
+    checks that for next to nothing. Labelled rows get local_cluster_id (null for a device the model
+    has not seen), cluster_id and their squared distance to the global center. With an evaluation spec, the partition's
     PartitionEvaluation (the truth is the fourth array) is on the last row's EVALUATION_COL, null on
     every other row; each batch is held until the next one shows it is not the last.
     """
@@ -269,7 +269,7 @@ def label_arrays(
         if held is not None:
             yield _labels(held, None)
         held = [
-            _scatter(local, rows, unlabelled, pa.int32()),
+            _scatter(local, rows, unlabelled, pa.int32(), unset=-1),  # -1: a device the model has not seen
             _scatter(cluster, rows, unlabelled, pa.int32()),
             _scatter(sq_dist, rows, unlabelled, pa.float64()),
             pa.array(non_finite),
@@ -286,7 +286,9 @@ def _labels(fields: list[pa.Array], blob: bytes | None) -> pa.StructArray:
     return pa.StructArray.from_arrays([*fields, pa.array(blobs, type=pa.binary())], names=list(LABEL_FIELDS))
 
 
-def _scatter(values: np.ndarray, rows: np.ndarray, unlabelled: np.ndarray, kind: pa.DataType) -> pa.Array:
+def _scatter(values: np.ndarray, rows: np.ndarray, unlabelled: np.ndarray, kind: pa.DataType,
+             unset: int | None = None) -> pa.Array:
+    """values placed at rows of a column of len(unlabelled) rows; null elsewhere and where a value is `unset`."""
     full = np.zeros(len(unlabelled), dtype=values.dtype)
     full[rows] = values
-    return pa.array(full, type=kind, mask=unlabelled)
+    return pa.array(full, type=kind, mask=unlabelled if unset is None else unlabelled | (full == unset))

@@ -49,7 +49,7 @@ def test_fit_transform_equals_the_cli_run(spark, published_run, mixture_path):
     assert model.localCenters.count() == run.n_local_centers
 
 
-def test_new_devices_are_clustered_locally_without_refitting(spark, mixture_path, tmp_path):
+def test_rows_of_new_devices_take_the_nearest_global_center_without_refitting(spark, mixture_path, tmp_path):
     table = pq.read_table(mixture_path)
     seen = pa.compute.less(table.column("device_id"), 45)
     pq.write_table(table.filter(seen), tmp_path / "seen.parquet")
@@ -57,12 +57,13 @@ def test_new_devices_are_clustered_locally_without_refitting(spark, mixture_path
     everyone = spark.read.parquet(mixture_path)
     model = mixture_estimator().fit(train)
 
-    labelled = by_row(model.transform(everyone), "device_id", "true_cluster", "prediction")
+    labelled = by_row(model.transform(everyone), "device_id", "true_cluster", "prediction", "local_prediction")
     on_train = by_row(model.transform(train), "prediction")
     known = labelled[labelled.device_id < 45]
     np.testing.assert_array_equal(known.prediction.to_numpy(), on_train.prediction.to_numpy())
     fresh = labelled[labelled.device_id >= 45]
     assert len(fresh) == 15 * MIXTURE["points_per_device"] and fresh.prediction.notna().all()
+    assert fresh.local_prediction.isna().all() and known.local_prediction.notna().all()
     assert adjusted_rand_index(fresh.true_cluster, fresh.prediction) >= 0.95
     np.testing.assert_array_equal(np.stack(model.clusterCenters()), np.stack(mixture_estimator().fit(train).clusterCenters()))
 

@@ -85,6 +85,20 @@ def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():
     assert labelled(batch, nearest, 1).column("cluster_id").to_pylist() == [0, 0, 1]
 
 
+
+def test_rows_of_unseen_devices_take_the_nearest_global_center_only_when_the_model_allows():
+    args = (np.array([7, 7]), np.array([0, 1]), np.array([[0.0], [10.0]]), np.array([1, 0]), np.array([[10.0], [1.0]]))
+    batch = with_reasons(rows_batch([7, 8, 8, 7], np.array([[9.0], [9.0], [2.0], [1.0]])), [None] * 4)
+    for mode in ("induced", "nearest"):
+        out = labelled(batch, LabelModel.build(*args, mode, label_unseen=True), 1)
+        assert out.column("local_cluster_id").to_pylist() == [1, None, None, 0]  # no local center of device 8
+        assert out.column("cluster_id").to_pylist() == [0, 0, 1, 1]
+        assert out.column("__kfed_sq_dist").to_pylist() == [1.0, 1.0, 1.0, 0.0]
+    only_unseen = with_reasons(rows_batch([8], np.array([[3.0]])), [None])
+    assert labelled(only_unseen, LabelModel.build(*args, "induced", label_unseen=True), 1).column("cluster_id").to_pylist() == [1]
+    with pytest.raises(ValueError, match="device 8 has no local centers in this model"):
+        labelled(batch, LabelModel.build(*args, "induced"), 1)
+
 def with_reasons(batch, reasons):
     return pa.RecordBatch.from_arrays(
         list(batch.columns) + [pa.array(reasons, type=pa.string())], names=batch.schema.names + ["reason"]

@@ -1,0 +1,103 @@
+"""A finished model, from either of its two homes: a published run's tables, or a folder where the
+estimator saved a KFedModel. `assign`, `stream` and KFedModel.from_run read models through here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+from pyspark.ml.util import DefaultParamsReader
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from kfed_spark.config import RUN_ID_PATTERN
+from kfed_spark.errors import ConfigError, KFedError
+from kfed_spark.fitting import LOCAL_CENTER_COLUMNS
+from kfed_spark.io import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, OutputTables, absolute
+from kfed_spark.kernels import LabelModel
+
+SAVED_LOCAL_CENTERS = "data/local_centers"
+"""Where under a saved KFedModel's folder its local centers are (Parquet); the rest is its metadata."""
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """A finished model: global centers, every device's local centers and the global cluster each joined.
+
+    origin says where it came from: the run id, or `model:<folder>` for a saved KFedModel. config is
+    the run's configuration (its runs row), or the saved model's params; None for neither.
+    """
+
+    centers: np.ndarray
+    local: pa.Table
+    assignment: np.ndarray
+    origin: str
+    attempt_id: str | None = None
+    config: dict | None = None
+
+    @property
+    def dim(self) -> int:
+        return self.centers.shape[1]
+
+    def label_model(self, label_mode: str, label_unseen: bool = False) -> LabelModel:
+        devices = self.local.column("device_id").to_numpy(zero_copy_only=False)
+        centers = np.array(self.local.column("center").to_pylist(), dtype=np.float64).reshape(-1, self.dim)
+        return LabelModel.build(devices, self.local.column("local_cluster_id").to_numpy(), centers, self.assignment,
+                                self.centers, label_mode, label_unseen)
+
+
+def newest_run_id(tables: OutputTables) -> str:
+    """The run id of the newest succeeded run under the location, or a one-line error."""
+    rows = tables.spark.sql(LATEST_ATTEMPT.format(runs=tables.source("runs"))).collect() if tables.check_log("runs") else []
+    if not rows:
+        raise KFedError(f"no succeeded run under {tables.root} to take a model from")
+    return rows[0].run_id
+
+
+def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel:
+    """The model of a published run (by default the newest succeeded one), or a one-line error."""
+    if run_id is None:
+        run_id = newest_run_id(tables)
+    missing = KFedError(f"no published run {run_id!r} under {tables.root}")
+    if not RUN_ID_PATTERN.match(run_id) or not tables.check_log("runs") or not tables.check_log("centers"):
+        raise missing
+    published = tables.spark.sql(
+        f"SELECT attempt_id, config FROM ({PUBLISHED_ATTEMPTS.format(runs=tables.source('runs'))}) "
+        f"JOIN {tables.source('runs')} USING (run_id, attempt_id) WHERE run_id = '{run_id}'"
+    ).collect()
+    if not published:
+        raise missing
+    attempt = (F.col("run_id") == run_id) & (F.col("attempt_id") == published[0].attempt_id)
+    centers = tables.read("centers").filter(attempt).orderBy("cluster_id").toArrow()
+    local = tables.read("local_centers").filter(attempt).select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
+    return StoredModel(
+        np.array(centers.column("center").to_pylist(), dtype=np.float64),
+        local.select(LOCAL_CENTER_COLUMNS),
+        local.column("cluster_id").to_numpy(),
+        origin=run_id,
+        attempt_id=published[0].attempt_id,
+        config=json.loads(published[0].config),
+    )
+
+
+def read_saved(spark: SparkSession, path: str) -> tuple[dict, np.ndarray, pa.Table]:
+    """(metadata, global centers, local centers with their cluster_id) of a KFedModel saved at path."""
+    try:
+        metadata = DefaultParamsReader.loadMetadata(path, spark)
+    except Exception as exc:  # a missing folder fails in the JVM or in Spark Connect's client
+        raise ConfigError(f"cannot read a saved KFedModel at {path}: {str(exc).splitlines()[0]}") from None
+    if "centers" not in metadata:
+        raise ConfigError(f"{path} holds no k-FED model (no centers in its metadata)")
+    local = spark.read.parquet(f"{path}/{SAVED_LOCAL_CENTERS}").toArrow()
+    local = local.sort_by([("device_id", "ascending"), ("local_cluster_id", "ascending")])
+    return metadata, np.asarray(metadata["centers"], dtype=np.float64), local
+
+
+def saved_model(spark: SparkSession, path: str) -> StoredModel:
+    """The model a KFedModel saved at path holds, as `assign` and `stream` take it (--model PATH)."""
+    metadata, centers, local = read_saved(spark, absolute(path))
+    return StoredModel(centers, local.select(LOCAL_CENTER_COLUMNS), local.column("cluster_id").to_numpy(),
+                       origin=f"model:{absolute(path)}", config=metadata.get("paramMap"))

@@ -1,0 +1,152 @@
+"""`kfed-spark stream`: label rows as they arrive, with a finished model, exactly once.
+
+A Structured Streaming query reads new rows of the input (files of a folder, a Delta table or a
+catalog table), validates and labels them as a plan on the streaming DataFrame (the same
+fitting.validated and label_rows as `run` and KFedModel.transform), and foreachBatch appends each
+micro-batch to stream_labels and its bad rows to stream_quarantine. Each append carries Delta's
+idempotent-write marker (txnAppId of the query's checkpoint, txnVersion = the batch id): a batch
+that Spark replays from the checkpoint after a crash is skipped by every table that has it already.
+
+A row of a device the model has not seen takes the nearest global center (kernels.LabelModel,
+label_unseen): its label depends on that row alone, not on which rows of its device came in the
+same micro-batch, so replays and any trigger give the same labels. new_device marks those rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
+
+from kfed_spark import faults
+from kfed_spark.config import KFedConfig
+from kfed_spark.fitting import REASON_COL, label_rows, labelled_fields, validated
+from kfed_spark.io import OutputTables, absolute, read_input
+from kfed_spark.models import StoredModel
+
+log = logging.getLogger("kfed_spark")
+
+BATCH_FIELDS = [
+    StructField("model_run_id", StringType(), False),
+    StructField("batch_id", LongType(), False),
+    StructField("arrived_at", TimestampType(), False),
+]
+"""What every row of the stream's tables ends with."""
+
+
+def locations(cfg: KFedConfig) -> dict[str, str]:
+    """Where the stream's tables are: stream.labels and stream.quarantine, by default under output.path."""
+    root = absolute(str(cfg.output.path)).rstrip("/")
+    return {
+        "stream_labels": cfg.stream.labels or f"{root}/stream_labels",
+        "stream_quarantine": cfg.stream.quarantine or f"{root}/stream_quarantine",
+    }
+
+
+def checkpoint_location(cfg: KFedConfig) -> str:
+    return absolute(cfg.stream.checkpoint or f"{str(cfg.output.path).rstrip('/')}/_checkpoints/stream")
+
+
+def stream_schemas(raw_schema: StructType) -> dict[str, StructType]:
+    return {
+        "stream_labels": StructType(
+            labelled_fields(raw_schema) + [StructField("new_device", BooleanType(), True), *BATCH_FIELDS]
+        ),
+        "stream_quarantine": StructType(
+            list(raw_schema.fields) + [StructField("reason", StringType(), False), *BATCH_FIELDS]
+        ),
+    }
+
+
+def stats_columns(device_col: str) -> dict[str, list[str]]:
+    return {
+        "stream_labels": [device_col, "cluster_id", "model_run_id", "batch_id", "arrived_at"],
+        "stream_quarantine": [device_col, "reason", "batch_id", "arrived_at"],
+    }
+
+
+@dataclass
+class StreamResult:
+    """What a stream did in this process (a restart counts again from zero)."""
+
+    model_run_id: str
+    batches: int = 0
+    n_labelled: int = 0
+    n_quarantined: int = 0
+    n_new_devices: int = 0
+    """Devices the model had not seen, among the rows labelled in this process: the next run clusters them."""
+    output_path: str = ""
+
+
+def labelled_stream(rows: DataFrame, cfg: KFedConfig, model: StoredModel) -> DataFrame:
+    """The rows (streaming or not) with their labels and reason: a plan, no Spark job."""
+    checked, _ = validated(rows, cfg, model.dim)
+    label_model = model.label_model(cfg.label_mode, label_unseen=True)
+    return label_rows(checked, label_model, rows.schema, cfg.input.device_col, model.dim)
+
+
+def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_now: bool):
+    """Start the query; returns it and the StreamResult that its batches add to."""
+    inp = cfg.input
+    if cfg.stream.max_files_per_trigger is not None:
+        inp = dataclasses.replace(inp, options={**inp.options, "maxFilesPerTrigger": str(cfg.stream.max_files_per_trigger)})
+    source = read_input(spark, inp, streaming=True)
+    schemas = stream_schemas(source.schema)
+    tables = OutputTables(spark, cfg.output, locations(cfg))
+    tables.prepare(schemas, stats_columns(cfg.input.device_col))
+    checkpoint = checkpoint_location(cfg)
+    app_id = "kfed-spark-stream:" + hashlib.sha256(checkpoint.encode()).hexdigest()[:16]
+    result = StreamResult(model.origin, output_path=tables.root)
+    device_col = cfg.input.device_col
+    new_devices: set = set()
+
+    def write_batch(batch: DataFrame, batch_id: int) -> None:
+        tagged = batch.select(
+            "*", F.lit(model.origin).alias("model_run_id"), F.lit(batch_id).cast("long").alias("batch_id"),
+            F.lit(datetime.now(timezone.utc)).alias("arrived_at"),
+        ).persist()
+        try:
+            bad = F.col(REASON_COL).isNotNull()
+            counts = tagged.groupBy(bad.alias("bad")).count().collect()
+            n_bad = sum(row["count"] for row in counts if row.bad)
+            n_good = sum(row["count"] for row in counts if not row.bad)
+            good = tagged.filter(~bad).withColumn("new_device", F.col("local_cluster_id").isNull())
+            frames = {}
+            if n_good:
+                frames["stream_labels"] = good.select(*schemas["stream_labels"].names)
+            if n_bad:
+                frames["stream_quarantine"] = (tagged.filter(bad).withColumnRenamed(REASON_COL, "reason")
+                                               .select(*schemas["stream_quarantine"].names))
+            OutputTables(batch.sparkSession, cfg.output, locations(cfg)).append_batch(frames, app_id, batch_id)
+            faults.point("stream_batch")
+            new = [row[0] for row in good.filter("new_device").select(device_col).distinct().collect()]
+        finally:
+            tagged.unpersist()
+        result.batches += 1
+        result.n_labelled += n_good
+        result.n_quarantined += n_bad
+        new_devices.update(new)
+        result.n_new_devices = len(new_devices)
+        log.info("stream batch %d: %d rows labelled, %d quarantined, %d devices the model has not seen",
+                 batch_id, n_good, n_bad, len(new))
+
+    writer = (
+        labelled_stream(source, cfg, model)
+        .writeStream.foreachBatch(write_batch)
+        .option("checkpointLocation", checkpoint)
+        .queryName("kfed_stream")
+    )
+    if available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{cfg.stream.trigger_seconds} seconds")
+    query = writer.start()
+    log.info("stream %s started with the model of %s: %s -> %s (checkpoint %s)", query.id, model.origin,
+             cfg.input.table or cfg.input.path, tables.path("stream_labels"), checkpoint)
+    return query, result

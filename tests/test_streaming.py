@@ -1,0 +1,161 @@
+"""Streaming: `kfed-spark stream` labels rows as they arrive, exactly once, and KFedModel.transform is a lazy
+plan that streams."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+
+from kfed_spark.cli import main
+from kfed_spark.config import load_config
+from kfed_spark.estimator import KFedModel
+from kfed_spark.faults import FAULT_ENV
+from kfed_spark.io import OutputTables
+from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.models import stored_model
+from kfed_spark.streaming import start
+
+from helpers import MIXTURE, by_row, labels_of, mixture_estimator, run_cli
+
+MIXTURE_DDL = "row_id bigint, device_id bigint, features array<double>, true_cluster int"
+SEEN_DEVICES = 45
+"""The model is fitted to devices 0..44; 45..59 arrive later, unseen."""
+
+
+def mixture_parts(mixture_path):
+    table = pq.read_table(mixture_path)
+    seen = pc.less(table.column("device_id"), SEEN_DEVICES)
+    return table.filter(seen), table.filter(pc.invert(seen))
+
+
+def bad_rows():
+    """One row of each reason a row of a stream is quarantined, with the mixture's columns."""
+    return pa.table({
+        "row_id": pa.array([-1, -2, -3, -4], pa.int64()),
+        "device_id": pa.array([None, 3, 3, 50], pa.int64()),
+        "features": pa.array([[0.0] * 8, [1.0, 2.0], [float("nan")] * 8, None], pa.list_(pa.float64())),
+        "true_cluster": pa.array([0, 0, 0, 0], pa.int32()),
+    })
+
+
+def stream_rows(spark, out, name):
+    return spark.read.format("delta").load(str(out / name))
+
+
+def test_three_batches_arriving_while_the_stream_runs_are_each_labelled_or_quarantined_once(
+    spark, config, tmp_path, mixture_path
+):
+    seen, unseen = mixture_parts(mixture_path)
+    pq.write_table(seen, tmp_path / "seen.parquet")
+    assert run_cli(config, f"input.path={tmp_path / 'seen.parquet'}") == 0
+    source = tmp_path / "arriving"
+    source.mkdir()
+    cfg = load_config(config, [f"input.path={source}", f"input.schema={MIXTURE_DDL}", "stream.trigger_seconds=0.5"])
+    out = tmp_path / "out"
+    query, result = start(spark, cfg, stored_model(OutputTables(spark, cfg.output)), available_now=False)
+    try:
+        known_rows = seen.take(np.arange(0, seen.num_rows, 2))  # half of each known device's rows
+        for i, part in enumerate([known_rows, unseen, bad_rows()]):
+            pq.write_table(part, source / f"part-{i}.parquet")
+            query.processAllAvailable()
+    finally:
+        query.stop()
+    assert (result.batches, result.n_labelled, result.n_quarantined, result.n_new_devices) == (
+        3, known_rows.num_rows + unseen.num_rows, 4, MIXTURE["devices"] - SEEN_DEVICES)
+
+    labelled = stream_rows(spark, out, "stream_labels").toPandas()
+    quarantined = stream_rows(spark, out, "stream_quarantine").toPandas()
+    every_row = np.concatenate([known_rows["row_id"], unseen["row_id"], bad_rows()["row_id"]])
+    assert sorted(np.concatenate([labelled.row_id, quarantined.row_id])) == sorted(every_row)  # each row once
+    assert dict(zip(quarantined.row_id, quarantined.reason)) == {
+        -1: "null_device", -2: "wrong_dimension (expected 8)", -3: "non_finite_value", -4: "null_features"}
+    assert set(labelled.model_run_id) == {"first"} and sorted(set(labelled.batch_id)) == [0, 1]
+
+    assign_input = tmp_path / "known.parquet"
+    pq.write_table(known_rows, assign_input)
+    assign = ["assign", "--model-run", "first", "--config", str(config), "--set", "run_id=assigned",
+              "--set", f"input.path={assign_input}"]
+    assert main(assign) == 0
+    assigned = by_row(labels_of(spark, out, "assigned"), "cluster_id", "local_cluster_id")
+    known = labelled[~labelled.new_device].set_index("row_id").sort_index()
+    assert known.index.equals(assigned.index)
+    np.testing.assert_array_equal(known.cluster_id, assigned.cluster_id)
+    np.testing.assert_array_equal(known.local_cluster_id, assigned.local_cluster_id)
+
+    new = labelled[labelled.new_device]
+    assert sorted(set(new.device_id)) == list(range(SEEN_DEVICES, MIXTURE["devices"]))
+    assert new.local_cluster_id.isna().all() and len(new) == unseen.num_rows
+    assert adjusted_rand_index(new.true_cluster, new.cluster_id) >= 0.95
+
+
+def test_transform_is_a_plan_that_runs_no_job_and_streams(spark, published_run, mixture_path, tmp_path):
+    _, out = published_run
+    model = KFedModel.from_run(str(out), "first")
+    assert (model.getK(), model.getKPerDevice(), model.getSeed()) == (MIXTURE["k"], MIXTURE["k_per_device"], 11)
+    rows = spark.read.parquet(mixture_path)
+    tracker, group = spark.sparkContext.statusTracker(), "kfed-transform-plan"
+    spark.sparkContext.setJobGroup(group, "transform must run no job")
+    try:
+        labelled = model.transform(rows)
+        assert tracker.getJobIdsForGroup(group) == []
+    finally:
+        spark.sparkContext.setJobGroup(None, None)
+    expected = by_row(labels_of(spark, out, "first"), "cluster_id", "local_cluster_id")
+    got = by_row(labelled, "prediction", "local_prediction")
+    np.testing.assert_array_equal(got.prediction, expected.cluster_id)
+    np.testing.assert_array_equal(got.local_prediction, expected.local_cluster_id)
+
+    arriving = spark.readStream.schema(rows.schema).parquet(mixture_path)
+    query = (model.transform(arriving).select("row_id", "prediction").writeStream.format("memory")
+             .queryName("kfed_streamed").trigger(availableNow=True).start())
+    query.awaitTermination(120)
+    streamed = spark.table("kfed_streamed").toPandas().set_index("row_id").sort_index()
+    np.testing.assert_array_equal(streamed.prediction, expected.cluster_id)
+
+
+def test_a_saved_estimator_model_serves_assign_and_its_runs_name_it(spark, config, mixture_path, tmp_path):
+    rows = spark.read.parquet(mixture_path)
+    model = mixture_estimator().fit(rows)
+    model.write().overwrite().save(str(tmp_path / "model"))
+    assert main(["assign", "--model", str(tmp_path / "model"), "--config", str(config), "--set", "run_id=saved"]) == 0
+    out = tmp_path / "out"
+    assigned = by_row(labels_of(spark, out, "saved"), "cluster_id")
+    np.testing.assert_array_equal(assigned.cluster_id, by_row(model.transform(rows), "prediction").prediction)
+    [run] = OutputTables(spark, load_config(config).output).read("runs").collect()
+    assert run.parent_run_id == f"model:{tmp_path / 'model'}"
+
+
+@pytest.mark.integration
+def test_a_stream_killed_with_sigkill_after_writing_a_batch_resumes_without_duplicates(published_run, tmp_path,
+                                                                                        mixture_path):
+    """The worst moment: the batch's rows are committed to both tables, the checkpoint does not know it yet.
+    The stream's tables and checkpoint are configured paths, away from the published run it reads."""
+    config, _ = published_run
+    source = tmp_path / "arriving"
+    source.mkdir()
+    table = pq.read_table(mixture_path)
+    parts = [table.slice(0, 2000), pa.concat_tables([table.slice(2000, 2000), bad_rows()]), table.slice(4000)]
+    for i, part in enumerate(parts):
+        pq.write_table(part, source / f"part-{i}.parquet")
+    args = [sys.executable, "-m", "kfed_spark.cli", "stream", "--available-now", "--config", str(config),
+            "--set", f"input.path={source}", "--set", "stream.max_files_per_trigger=1"]
+    for name in ("labels", "quarantine", "checkpoint"):
+        args += ["--set", f"stream.{name}={tmp_path / name}"]
+    killed = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, FAULT_ENV: "kill:stream_batch"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "3 micro-batches" in resumed.stdout  # the killed batch again, then the other two
+
+    labelled = DeltaTable(str(tmp_path / "labels")).to_pyarrow_table().column("row_id").to_pylist()
+    quarantined = DeltaTable(str(tmp_path / "quarantine")).to_pyarrow_table().column("row_id").to_pylist()
+    assert len(quarantined) == 4 and len(labelled) == table.num_rows
+    assert sorted(labelled + quarantined) == sorted(table.column("row_id").to_pylist() + [-1, -2, -3, -4])
