@@ -1,4 +1,5 @@
-"""Airflow 3 DAG `kfed_daily`: one k-FED run per day, then a check of what the run wrote.
+"""Airflow 3 DAG `kfed_daily`: one k-FED run per day, a check of what the run wrote, and optionally the
+day's new rows labelled with that day's model.
 
 kfed_cluster submits jobs/kfed_job.py with SparkSubmitOperator (connection `spark_default` says
 where: local, yarn, spark://host:7077, k8s://...), shipping what `kfed-spark package` built (the
@@ -9,6 +10,10 @@ run. check_run fails the DAG run when the `runs` table has no published attempt 
 the run quarantined more than `max_quarantine_share` of its rows. Retries are safe: an attempt is
 published whole or not at all, and a task killed on its timeout leaves an attempt that the next one
 tidies away. check_run reads the Delta table with delta-rs, so the Airflow workers need no Spark.
+With the param stream_input set (a folder or Delta table where new rows arrive), kfed_stream then runs
+`kfed-spark stream --available-now` with the day's run as the model: it labels every row that arrived since
+its last run into stream_labels and stops; its checkpoint under the output path makes a retry label each
+row exactly once. With stream_input empty (the default), stream_wanted skips it.
 Set the params at trigger time or through the KFED_* environment variables below.
 """
 
@@ -29,6 +34,7 @@ DEFAULTS = {
     "config": os.environ.get("KFED_CONFIG", str(PROJECT / "conf" / "cluster.yaml")),
     "output": os.environ.get("KFED_OUTPUT", "s3a://my-bucket/kfed"),
     "max_quarantine_share": float(os.environ.get("KFED_MAX_QUARANTINE_SHARE", "0.05")),
+    "stream_input": os.environ.get("KFED_STREAM_INPUT", ""),
 }
 DELTA_PACKAGE = os.environ.get("KFED_DELTA_PACKAGE", "io.delta:delta-spark_4.2_2.13:4.4.0")
 DRIVER_PYTHON = os.environ.get("KFED_DRIVER_PYTHON")
@@ -78,6 +84,32 @@ def check_run(output: str, kfed_run_id: str, max_quarantine_share: float) -> dic
     return {key: run[key] for key in ("n_input", "n_labelled", "n_quarantined", "cost")}
 
 
+@task.short_circuit
+def stream_wanted(stream_input: str) -> bool:
+    """Go on to kfed_stream only when the DAG run names where new rows arrive."""
+    return bool(stream_input.strip())
+
+
+def spark_job(task_id: str, name: str, arguments: list[str]) -> SparkSubmitOperator:
+    """jobs/kfed_job.py submitted with what `kfed-spark package` built: the package zip and the packed environment."""
+    return SparkSubmitOperator(
+        task_id=task_id,
+        conn_id="spark_default",
+        application=str(PROJECT / "jobs" / "kfed_job.py"),
+        name=name,
+        packages=DELTA_PACKAGE,
+        py_files=str(DIST / "kfed_spark.zip"),
+        archives=f"{DIST / 'kfed-env.tar.gz'}#environment",
+        conf={
+            "spark.pyspark.python": "./environment/bin/python",
+            **({"spark.pyspark.driver.python": DRIVER_PYTHON} if DRIVER_PYTHON else {}),
+        },
+        # SIGTERM on timeout: the job records its attempt as failed and the retry starts clean.
+        execution_timeout=TIMEOUT,
+        application_args=arguments,
+    )
+
+
 with DAG(
     dag_id="kfed_daily",
     schedule="0 3 * * *",
@@ -89,24 +121,15 @@ with DAG(
     default_args={"retries": 2, "retry_delay": pendulum.duration(minutes=10), "on_failure_callback": log_failure},
     tags=["kfed"],
 ) as dag:
-    cluster = SparkSubmitOperator(
-        task_id="kfed_cluster",
-        conn_id="spark_default",
-        application=str(PROJECT / "jobs" / "kfed_job.py"),
-        name=f"kfed-{RUN_ID}",
-        packages=DELTA_PACKAGE,
-        py_files=str(DIST / "kfed_spark.zip"),
-        archives=f"{DIST / 'kfed-env.tar.gz'}#environment",
-        conf={
-            "spark.pyspark.python": "./environment/bin/python",
-            **({"spark.pyspark.driver.python": DRIVER_PYTHON} if DRIVER_PYTHON else {}),
-        },
-        # SIGTERM on timeout: the job records its attempt as failed and the retry starts clean.
-        execution_timeout=TIMEOUT,
-        application_args=[
-            "--config", "{{ params.config }}",
-            "--set", f"run_id={RUN_ID}",
-            "--set", "output.path={{ params.output }}",
-        ],
-    )
-    cluster >> check_run("{{ params.output }}", RUN_ID, "{{ params.max_quarantine_share }}")
+    cluster = spark_job("kfed_cluster", f"kfed-{RUN_ID}", [
+        "run", "--config", "{{ params.config }}",
+        "--set", f"run_id={RUN_ID}",
+        "--set", "output.path={{ params.output }}",
+    ])
+    stream = spark_job("kfed_stream", f"kfed-stream-{RUN_ID}", [
+        "stream", "--available-now", "--model-run", RUN_ID, "--config", "{{ params.config }}",
+        "--set", "output.path={{ params.output }}",
+        "--set", "input.path={{ params.stream_input }}",
+    ])
+    checked = check_run("{{ params.output }}", RUN_ID, "{{ params.max_quarantine_share }}")
+    cluster >> checked >> stream_wanted("{{ params.stream_input }}") >> stream

@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sql.add_argument("query", help="the query; views labels, centers, local_centers and quarantine hold the "
                      "published attempt of every run, latest_labels (and latest_centers, ...) the newest "
-                     "succeeded run, runs every attempt with its status")
+                     "succeeded run, runs every attempt with its status, stream_labels and stream_quarantine what "
+                     "`stream` wrote there")
     sql.add_argument("--config", help="YAML config whose output.path and spark settings to use")
     sql.add_argument("--output", help="the output location (overrides output.path of --config)")
     sql.add_argument("--limit", type=int, default=100, help="rows to print at most (default 100)")

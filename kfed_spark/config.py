@@ -204,7 +204,7 @@ def validate_io(cfg: KFedConfig) -> None:
         raise ConfigError(f"output.database {cfg.output.database!r} is not a plain identifier")
     stream = cfg.stream
     if finite_number(stream.trigger_seconds) or stream.trigger_seconds == 0:
-        raise ConfigError(f"stream.trigger_seconds must be a number > 0, got {stream.trigger_seconds!r}")
+        raise ConfigError(f"stream.trigger_seconds must be a finite number > 0, got {stream.trigger_seconds!r}")
     if stream.max_files_per_trigger is not None and integer(1)(stream.max_files_per_trigger):
         raise ConfigError(f"stream.max_files_per_trigger must be an integer >= 1, got {stream.max_files_per_trigger!r}")
 

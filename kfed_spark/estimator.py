@@ -23,7 +23,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 from pyspark.sql import DataFrame
 
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
-from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, REASON_COL, LocalCenters, fit, label_rows, validated
+from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, REASON_COL, LocalCenters, fit, labelled_plan
 from kfed_spark.io import OutputTables
 from kfed_spark.kernels import LabelModel
 from kfed_spark.models import SAVED_LOCAL_CENTERS, read_saved, stored_model
@@ -189,13 +189,11 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         the model has not seen takes the nearest global center and a null local prediction (its label
         depends on the row alone); `kfed-spark assign` clusters such devices locally instead."""
         cfg = self._config()
-        dim = self._centers.shape[1]
-        checked, _ = validated(dataset, cfg, dim)
         local = self._local_centers()
         model = LabelModel.build(local.devices, local.ids, local.centers, self._local.column("cluster_id").to_numpy(),
                                  self._centers, cfg.label_mode, label_unseen=True)
         return (
-            label_rows(checked, model, dataset.schema, cfg.input.device_col, dim)
+            labelled_plan(dataset, cfg, model, self._centers.shape[1])
             .drop(SQ_DIST_COL, REASON_COL)
             .withColumnRenamed("local_cluster_id", self.getLocalPredictionCol())
             .withColumnRenamed("cluster_id", self.getPredictionCol())

@@ -359,6 +359,13 @@ def extend_with_new_devices(
     return LocalCenters.from_arrow(table, dim), np.concatenate([assignment, nearest_center(new.centers, centers)[0]])
 
 
+def labelled_plan(rows: DataFrame, cfg: KFedConfig, model: LabelModel, dim: int) -> DataFrame:
+    """The rows (streaming or not) checked and labelled with a finished model: a plan, no Spark job
+    (the dimension is the model's). What KFedModel.transform and `kfed-spark stream` run."""
+    checked, _ = validated(rows, cfg, dim)
+    return label_rows(checked, model, rows.schema, cfg.input.device_col, dim)
+
+
 def labelled_fields(raw_schema: StructType) -> list[StructField]:
     """The input's columns followed by the two cluster columns the labels table adds."""
     return list(raw_schema.fields) + [

@@ -15,7 +15,7 @@ from pyspark.sql import functions as F
 
 from kfed_spark.config import RUN_ID_PATTERN
 from kfed_spark.errors import ConfigError, KFedError
-from kfed_spark.fitting import LOCAL_CENTER_COLUMNS
+from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, LocalCenters
 from kfed_spark.io import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, OutputTables, absolute
 from kfed_spark.kernels import LabelModel
 
@@ -43,10 +43,9 @@ class StoredModel:
         return self.centers.shape[1]
 
     def label_model(self, label_mode: str, label_unseen: bool = False) -> LabelModel:
-        devices = self.local.column("device_id").to_numpy(zero_copy_only=False)
-        centers = np.array(self.local.column("center").to_pylist(), dtype=np.float64).reshape(-1, self.dim)
-        return LabelModel.build(devices, self.local.column("local_cluster_id").to_numpy(), centers, self.assignment,
-                                self.centers, label_mode, label_unseen)
+        local = LocalCenters.from_arrow(self.local, self.dim)
+        return LabelModel.build(local.devices, local.ids, local.centers, self.assignment, self.centers, label_mode,
+                                label_unseen)
 
 
 def newest_run_id(tables: OutputTables) -> str:

@@ -26,7 +26,7 @@ from pyspark.sql.types import BooleanType, LongType, StringType, StructField, St
 
 from kfed_spark import faults
 from kfed_spark.config import KFedConfig
-from kfed_spark.fitting import REASON_COL, label_rows, labelled_fields, validated
+from kfed_spark.fitting import REASON_COL, labelled_fields, labelled_plan
 from kfed_spark.io import OutputTables, absolute, read_input
 from kfed_spark.models import StoredModel
 
@@ -84,13 +84,6 @@ class StreamResult:
     output_path: str = ""
 
 
-def labelled_stream(rows: DataFrame, cfg: KFedConfig, model: StoredModel) -> DataFrame:
-    """The rows (streaming or not) with their labels and reason: a plan, no Spark job."""
-    checked, _ = validated(rows, cfg, model.dim)
-    label_model = model.label_model(cfg.label_mode, label_unseen=True)
-    return label_rows(checked, label_model, rows.schema, cfg.input.device_col, model.dim)
-
-
 def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_now: bool):
     """Start the query; returns it and the StreamResult that its batches add to."""
     inp = cfg.input
@@ -113,10 +106,13 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
         ).persist()
         try:
             bad = F.col(REASON_COL).isNotNull()
-            counts = tagged.groupBy(bad.alias("bad")).count().collect()
-            n_bad = sum(row["count"] for row in counts if row.bad)
-            n_good = sum(row["count"] for row in counts if not row.bad)
-            good = tagged.filter(~bad).withColumn("new_device", F.col("local_cluster_id").isNull())
+            new_device = F.col("local_cluster_id").isNull()
+            [counts] = tagged.agg(
+                F.count(F.lit(1)).alias("rows"), F.count(REASON_COL).alias("bad"),
+                F.collect_set(F.when(~bad & new_device, F.col(device_col))).alias("new"),
+            ).collect()
+            n_bad, n_good, new = counts.bad, counts.rows - counts.bad, counts.new
+            good = tagged.filter(~bad).withColumn("new_device", new_device)
             frames = {}
             if n_good:
                 frames["stream_labels"] = good.select(*schemas["stream_labels"].names)
@@ -125,7 +121,6 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
                                                .select(*schemas["stream_quarantine"].names))
             OutputTables(batch.sparkSession, cfg.output, locations(cfg)).append_batch(frames, app_id, batch_id)
             faults.point("stream_batch")
-            new = [row[0] for row in good.filter("new_device").select(device_col).distinct().collect()]
         finally:
             tagged.unpersist()
         result.batches += 1
@@ -137,7 +132,7 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
                  batch_id, n_good, n_bad, len(new))
 
     writer = (
-        labelled_stream(source, cfg, model)
+        labelled_plan(source, cfg, model.label_model(cfg.label_mode, label_unseen=True), model.dim)
         .writeStream.foreachBatch(write_batch)
         .option("checkpointLocation", checkpoint)
         .queryName("kfed_stream")

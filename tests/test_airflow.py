@@ -57,6 +57,7 @@ def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path, standalone_m
         "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": host, "port": int(port)}),
         "KFED_CONFIG": str(config),
         "KFED_OUTPUT": str(tmp_path / "out"),
+        "KFED_STREAM_INPUT": mixture_path,
         "KFED_DIST": str(tmp_path / "dist"),
         "KFED_DELTA_PACKAGE": delta_package(),
         "KFED_DRIVER_PYTHON": sys.executable,  # client mode: the driver runs where Airflow runs spark-submit

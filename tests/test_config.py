@@ -62,6 +62,11 @@ def test_features_can_be_a_list_of_columns():
         (["output.path="], "output.path is required"),
         (["input.device_col="], "must be column names"),
         (["k"], "--set takes KEY=VALUE"),
+        (["input.format=delta", "input.schema=a int"], "input.schema is DDL text for files of a path"),
+        (["stream.trigger_seconds=0"], "stream.trigger_seconds must be a finite number > 0, got 0"),
+        (["stream.trigger_seconds=.inf"], "stream.trigger_seconds must be a finite number > 0, got inf"),
+        (["stream.max_files_per_trigger=0"], "stream.max_files_per_trigger must be an integer >= 1"),
+        (["stream.labels_table=x"], "unknown config key stream.labels_table"),
     ],
 )
 def test_invalid_configuration_is_named(overrides, message):

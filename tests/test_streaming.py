@@ -95,6 +95,26 @@ def test_three_batches_arriving_while_the_stream_runs_are_each_labelled_or_quara
     assert adjusted_rand_index(new.true_cluster, new.cluster_id) >= 0.95
 
 
+def test_a_delta_source_is_labelled_available_now_and_a_second_run_takes_only_what_arrived_since(
+    spark, published_run, mixture_path, tmp_path
+):
+    config, _ = published_run
+    source = str(tmp_path / "events")
+    table = pq.read_table(mixture_path)
+    spark.createDataFrame(table.slice(0, 1000).to_pandas()).write.format("delta").save(source)
+    settings = [f"input.path={source}", "input.format=delta", f"stream.labels={tmp_path / 'labels'}",
+                f"stream.quarantine={tmp_path / 'quarantine'}", f"stream.checkpoint={tmp_path / 'checkpoint'}"]
+    cfg = load_config(config, settings)
+    model = stored_model(OutputTables(spark, cfg.output), "first")
+    for rows in (1000, 1500):
+        query, result = start(spark, cfg, model, available_now=True)
+        query.awaitTermination(120)
+        assert (result.batches, result.n_labelled, result.n_quarantined) == (1, rows, 0)
+        spark.createDataFrame(table.slice(1000, 1500).to_pandas()).write.format("delta").mode("append").save(source)
+    labelled = spark.read.format("delta").load(str(tmp_path / "labels")).toPandas()
+    assert sorted(labelled.row_id) == list(range(2500)) and not labelled.new_device.any()
+
+
 def test_transform_is_a_plan_that_runs_no_job_and_streams(spark, published_run, mixture_path, tmp_path):
     _, out = published_run
     model = KFedModel.from_run(str(out), "first")

@@ -34,28 +34,36 @@ def runs():
 
 
 def test_dag_has_the_tasks_schedule_and_shipping(dag):
-    assert set(dag.task_ids) == {"kfed_cluster", "check_run"}
+    assert set(dag.task_ids) == {"kfed_cluster", "check_run", "stream_wanted", "kfed_stream"}
     assert dag.get_task("check_run").upstream_task_ids == {"kfed_cluster"}
+    assert dag.get_task("kfed_stream").upstream_task_ids == {"stream_wanted"}
+    assert dag.get_task("stream_wanted").upstream_task_ids == {"check_run"}
     assert dag.schedule == "0 3 * * *" and not dag.catchup
-    submit = dag.get_task("kfed_cluster")
-    assert submit.execution_timeout and submit.on_failure_callback
     dist = os.environ["KFED_DIST"]
-    assert (submit.py_files, submit._archives) == (f"{dist}/kfed_spark.zip", f"{dist}/kfed-env.tar.gz#environment")
-    assert submit.conf["spark.pyspark.python"] == "./environment/bin/python"
+    for submit in (dag.get_task("kfed_cluster"), dag.get_task("kfed_stream")):
+        assert submit.execution_timeout and submit.on_failure_callback
+        assert (submit.py_files, submit._archives) == (f"{dist}/kfed_spark.zip", f"{dist}/kfed-env.tar.gz#environment")
+        assert submit.conf["spark.pyspark.python"] == "./environment/bin/python"
 
 
-def test_dag_runs_the_job_on_the_cluster_and_checks_it(dag):
+def test_dag_runs_the_job_on_the_cluster_checks_it_and_labels_the_new_rows_with_its_model(dag):
     run = dag.test(logical_date=pendulum.datetime(2026, 11, 29, tz="UTC"))
     assert run.state == "success", [(ti.task_id, ti.state) for ti in run.get_task_instances()]
     assert [(r["run_id"], r["status"]) for r in runs()] == [("2026-11-29", "succeeded")]
     labels = DeltaTable(f"{OUTPUT}/labels").to_pyarrow_table(filters=[("attempt_id", "=", runs()[0]["attempt_id"])])
     assert labels.num_rows == runs()[0]["n_labelled"] == runs()[0]["n_input"]
+    streamed = DeltaTable(f"{OUTPUT}/stream_labels").to_pyarrow_table()  # KFED_STREAM_INPUT is the run's input
+    assert streamed.num_rows == labels.num_rows and set(streamed.column("model_run_id").to_pylist()) == {"2026-11-29"}
+    assert sorted(streamed.column("row_id").to_pylist()) == sorted(labels.column("row_id").to_pylist())
 
 
 def test_a_run_without_logical_date_is_named_after_its_dag_run(dag, caplog):
-    """Manual and asset-triggered runs in Airflow 3 have no logical date: `ds` would not render."""
-    run = dag.test(logical_date=None)
+    """Manual and asset-triggered runs in Airflow 3 have no logical date: `ds` would not render. This one
+    names no stream input, so the stream task is skipped."""
+    run = dag.test(logical_date=None, run_conf={"stream_input": ""})
     assert run.logical_date is None and run.state == "success"
+    states = {ti.task_id: ti.state for ti in run.get_task_instances()}
+    assert (states["stream_wanted"], states["kfed_stream"]) == ("success", "skipped")
     manual = [r for r in runs() if r["run_id"] != "2026-11-29"]
     assert [(r["run_id"], r["status"]) for r in manual] == [(run.run_id.replace("+", "_"), "succeeded")]
 
