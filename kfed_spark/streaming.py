@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -100,6 +101,7 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
     new_devices: set = set()
 
     def write_batch(batch: DataFrame, batch_id: int) -> None:
+        started = time.perf_counter()
         tagged = batch.select(
             "*", F.lit(model.origin).alias("model_run_id"), F.lit(batch_id).cast("long").alias("batch_id"),
             F.lit(datetime.now(timezone.utc)).alias("arrived_at"),
@@ -128,8 +130,8 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
         result.n_quarantined += n_bad
         new_devices.update(new)
         result.n_new_devices = len(new_devices)
-        log.info("stream batch %d: %d rows labelled, %d quarantined, %d devices the model has not seen",
-                 batch_id, n_good, n_bad, len(new))
+        log.info("stream batch %d: %d rows labelled, %d quarantined, %d devices the model has not seen, in %.2f s",
+                 batch_id, n_good, n_bad, len(new), time.perf_counter() - started)
 
     writer = (
         labelled_plan(source, cfg, model.label_model(cfg.label_mode, label_unseen=True), model.dim)

@@ -14,13 +14,21 @@ from kfed_spark.bench.datasets import default_data_dir
 
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig
 from kfed_spark.fitting import fit, label_rows
-from kfed_spark.io import OutputTables
+from kfed_spark.io import TABLE_COMMENTS, OutputTables
 
 
 def published(spark, out, name):
     """The published rows of one output table (what every documented read path shows)."""
     return OutputTables(spark, OutputConfig(path=str(out))).published(name)
 
+
+
+def assert_commented(spark, path, name):
+    """The Delta table at path carries its table comment and a comment on every column."""
+    assert spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first().description == TABLE_COMMENTS[name]
+    columns = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{path}`").collect()
+               if row.col_name and not row.col_name.startswith("#")}
+    assert all(columns.values()), (name, columns)
 
 def runs_of(spark, out):
     """Every attempt recorded under an output location, oldest first."""

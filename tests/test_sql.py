@@ -6,9 +6,9 @@ from deltalake import DeltaTable
 
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
-from kfed_spark.io import TABLE_COMMENTS, OutputTables
+from kfed_spark.io import TABLES, OutputTables
 
-from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, readme_device_profile_queries, run_cli
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, assert_commented, readme_device_profile_queries, run_cli
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 
@@ -52,12 +52,8 @@ def test_the_readme_s_device_profile_queries(spark, published_run, capsys):
 def test_every_table_and_column_carries_a_comment(spark, published_run):
     """DESCRIBE shows what a column means, DESCRIBE DETAIL what the table holds."""
     _, out = published_run
-    for name, comment in TABLE_COMMENTS.items():
-        path = out / name
-        assert spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first().description == comment
-        columns = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{path}`").collect()
-                   if row.col_name and not row.col_name.startswith("#")}
-        assert all(columns.values()), (name, columns)
+    for name in TABLES:
+        assert_commented(spark, out / name, name)
     labels = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{out / 'labels'}`").collect()}
     assert (labels["cluster_id"], labels["features"]) == ("the global cluster of the row", "as in the input table")
 

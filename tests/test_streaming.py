@@ -17,12 +17,12 @@ from kfed_spark.cli import main
 from kfed_spark.config import load_config
 from kfed_spark.estimator import KFedModel
 from kfed_spark.faults import FAULT_ENV
-from kfed_spark.io import OutputTables
+from kfed_spark.io import STREAM_TABLES, OutputTables
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.models import stored_model
 from kfed_spark.streaming import start
 
-from helpers import MIXTURE, by_row, labels_of, mixture_estimator, run_cli
+from helpers import MIXTURE, assert_commented, by_row, labels_of, mixture_estimator, run_cli
 
 MIXTURE_DDL = "row_id bigint, device_id bigint, features array<double>, true_cluster int"
 SEEN_DEVICES = 45
@@ -77,6 +77,8 @@ def test_three_batches_arriving_while_the_stream_runs_are_each_labelled_or_quara
     assert dict(zip(quarantined.row_id, quarantined.reason)) == {
         -1: "null_device", -2: "wrong_dimension (expected 8)", -3: "non_finite_value", -4: "null_features"}
     assert set(labelled.model_run_id) == {"first"} and sorted(set(labelled.batch_id)) == [0, 1]
+    for name in STREAM_TABLES:
+        assert_commented(spark, out / name, name)
 
     assign_input = tmp_path / "known.parquet"
     pq.write_table(known_rows, assign_input)
