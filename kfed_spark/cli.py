@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
 from kfed_spark.bench.datasets import DATASETS
-from kfed_spark.errors import STOP_REQUESTED, STOPPED, KFedError, Terminated, describe
+from kfed_spark.errors import STOP_REQUESTED, STOPPED, STREAM_STOPPED, KFedError, Terminated, describe
 
 DEMO_FOLDER = "kfed-demo"
 QUIET_LOCAL_SPARK = {
@@ -44,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code if isinstance(exc, KFedError) and not STOP_REQUESTED.is_set() else 1
 
 
-def stop_on_sigterm() -> None:
+def stop_on_sigterm(message: str = STOPPED) -> None:
     """On SIGTERM (what Airflow sends on a timeout), interrupt this session's Spark work and raise
-    Terminated in the main thread, so that the run records its attempt as failed and exits.
+    Terminated in the main thread, so that the run records its attempt as failed and exits; `message`
+    is the error line that says what the stop left behind.
 
     The main thread may be waiting inside a py4j call (a count, a write), whose connection cannot
     carry another command until it returns: so the session is the one build_session remembered
@@ -61,8 +62,9 @@ def stop_on_sigterm() -> None:
         spark = last_built_session()
         if spark is not None:
             threading.Thread(target=spark.interruptAll, daemon=True).start()
-        raise Terminated(STOPPED)
+        raise Terminated(message)
 
+    STOP_REQUESTED.message = message
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
 
@@ -420,11 +422,12 @@ def command_stream(args: argparse.Namespace) -> int:
 
     overrides = args.overrides + ([] if args.trigger_seconds is None else [f"stream.trigger_seconds={args.trigger_seconds}"])
     cfg = spark_quiet(load_config(shipped_config(args.config), overrides), args)
-    stop_on_sigterm()
+    stop_on_sigterm(STREAM_STOPPED)
     spark = build_session(cfg.spark)
     model = saved_model(spark, args.model) if args.model else stored_model(OutputTables(spark, cfg.output), args.model_run)
-    query, result = start(spark, cfg, model, args.available_now)
-    query.awaitTermination()
+    stream = start(spark, cfg, model, args.available_now)
+    stream.query.awaitTermination()
+    result = stream.result()
     print_result(
         args, result,
         f"stream with the model of {result.model_run_id}: {result.batches} micro-batches, {result.n_labelled} rows "

@@ -4,10 +4,20 @@ stderr; a failed attempt's runs row records it)."""
 import re
 import threading
 
-STOP_REQUESTED = threading.Event()
-"""Set when the process was asked to stop (SIGTERM): whatever exception the stop then causes (PySpark
-may raise a cancelled job's error in place of Terminated), the failure is the stop."""
 STOPPED = "stopped by SIGTERM; the attempt was recorded as failed and nothing of it was published"
+STREAM_STOPPED = ("stopped by SIGTERM; every micro-batch that finished is written, and a restart from the checkpoint "
+                  "goes on after the last one")
+
+
+class StopRequest(threading.Event):
+    """Set when the process was asked to stop (SIGTERM): whatever exception the stop then causes (PySpark
+    may raise a cancelled job's error in place of Terminated), the failure is the stop, and `message`
+    says what it means for the command that was running."""
+
+    message = STOPPED
+
+
+STOP_REQUESTED = StopRequest()
 
 
 class KFedError(Exception):
@@ -41,7 +51,7 @@ def describe(exc: BaseException) -> str | None:
     """One line for a failure of ours or of Spark and its JVM (the full trace stays in Spark's log);
     None for anything else, a bug whose traceback should be seen."""
     if STOP_REQUESTED.is_set():
-        return STOPPED
+        return STOP_REQUESTED.message
     if isinstance(exc, (KFedError, Terminated)):
         return str(exc)
     from py4j.protocol import Py4JJavaError

@@ -430,14 +430,14 @@ class OutputTables:
 
         _concurrently(write, list(frames))
 
-    def append_batch(self, frames: dict[str, DataFrame], app_id: str, batch_id: int) -> None:
+    def append_batch(self, frames: dict[str, DataFrame], app_id: str, batch_id: int, note: str) -> None:
         """Append a stream's micro-batch to its tables, each write idempotent: it carries Delta's marker
         (txnAppId = app_id, txnVersion = batch_id), and Delta skips it if the table has committed that
-        batch of that app already, as when a batch is replayed after its process was killed."""
+        batch of that app already, as when a batch is replayed after its process was killed. `note` is
+        the commits' userMetadata."""
 
         def write(name: str) -> None:
-            self._write(frames[name], name, "append", f"kfed-spark stream {app_id} batch {batch_id}",
-                        txnAppId=app_id, txnVersion=str(batch_id))
+            self._write(frames[name], name, "append", note, txnAppId=app_id, txnVersion=str(batch_id))
 
         _concurrently(write, list(frames))
 

@@ -18,17 +18,19 @@ import dataclasses
 import hashlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
 
 from kfed_spark import faults
 from kfed_spark.config import KFedConfig
 from kfed_spark.fitting import REASON_COL, labelled_fields, labelled_plan
-from kfed_spark.io import OutputTables, absolute, read_input
+from kfed_spark.io import STREAM_TABLES, OutputTables, absolute, read_input
 from kfed_spark.models import StoredModel
 
 log = logging.getLogger("kfed_spark")
@@ -74,19 +76,54 @@ def stats_columns(device_col: str) -> dict[str, list[str]]:
 
 @dataclass
 class StreamResult:
-    """What a stream did in this process (a restart counts again from zero)."""
+    """What the micro-batches of one start of a stream wrote (a restart counts again from zero; a
+    replayed batch that every table had already is not counted again)."""
 
     model_run_id: str
-    batches: int = 0
-    n_labelled: int = 0
-    n_quarantined: int = 0
-    n_new_devices: int = 0
-    """Devices the model had not seen, among the rows labelled in this process: the next run clusters them."""
-    output_path: str = ""
+    batches: int
+    n_labelled: int
+    n_quarantined: int
+    n_new_devices: int
+    """Devices the model had not seen, among the rows labelled: the next run clusters them."""
+    output_path: str
 
 
-def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_now: bool):
-    """Start the query; returns it and the StreamResult that its batches add to."""
+@dataclass(frozen=True)
+class Stream:
+    """A started stream. Its micro-batches may run in another process (the Spark Connect server runs
+    foreachBatch), so what they wrote is read back from the tables: every commit of this start names
+    `tag` in its userMetadata."""
+
+    query: StreamingQuery
+    tables: OutputTables
+    model_run_id: str
+    device_col: str
+    tag: str
+
+    def result(self) -> StreamResult:
+        written: dict[str, int] = {}
+        batches: set[int] = set()
+        for name in STREAM_TABLES:
+            commits = (
+                self.tables.spark.sql(f"DESCRIBE HISTORY {self.tables.source(name)}")
+                .filter(F.col("userMetadata").contains(f" {self.tag} batch "))
+                .select("userMetadata", F.col("operationMetrics")["numOutputRows"].cast("long").alias("rows"))
+                .collect()
+            )
+            written[name] = sum(commit.rows for commit in commits)
+            batches |= {int(commit.userMetadata.rsplit(" ", 1)[1]) for commit in commits}
+        new = (
+            self.tables.read("stream_labels")
+            .filter(F.col("new_device") & F.col("batch_id").isin(sorted(batches))
+                    & (F.col("model_run_id") == self.model_run_id))
+            .select(self.device_col).distinct().count()
+        ) if batches else 0
+        return StreamResult(self.model_run_id, len(batches), written["stream_labels"], written["stream_quarantine"],
+                            new, self.tables.root)
+
+
+def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_now: bool) -> Stream:
+    """Start the query that labels what arrives in cfg.input with the model."""
     inp = cfg.input
     if cfg.stream.max_files_per_trigger is not None:
         inp = dataclasses.replace(inp, options={**inp.options, "maxFilesPerTrigger": str(cfg.stream.max_files_per_trigger)})
@@ -96,9 +133,8 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
     tables.prepare(schemas, stats_columns(cfg.input.device_col))
     checkpoint = checkpoint_location(cfg)
     app_id = "kfed-spark-stream:" + hashlib.sha256(checkpoint.encode()).hexdigest()[:16]
-    result = StreamResult(model.origin, output_path=tables.root)
     device_col = cfg.input.device_col
-    new_devices: set = set()
+    tag = f"start {uuid.uuid4().hex[:12]}"
 
     def write_batch(batch: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
@@ -121,15 +157,11 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
             if n_bad:
                 frames["stream_quarantine"] = (tagged.filter(bad).withColumnRenamed(REASON_COL, "reason")
                                                .select(*schemas["stream_quarantine"].names))
-            OutputTables(batch.sparkSession, cfg.output, locations(cfg)).append_batch(frames, app_id, batch_id)
+            OutputTables(batch.sparkSession, cfg.output, locations(cfg)).append_batch(
+                frames, app_id, batch_id, f"kfed-spark stream {app_id} {tag} batch {batch_id}")
             faults.point("stream_batch")
         finally:
             tagged.unpersist()
-        result.batches += 1
-        result.n_labelled += n_good
-        result.n_quarantined += n_bad
-        new_devices.update(new)
-        result.n_new_devices = len(new_devices)
         log.info("stream batch %d: %d rows labelled, %d quarantined, %d devices the model has not seen, in %.2f s",
                  batch_id, n_good, n_bad, len(new), time.perf_counter() - started)
 
@@ -146,4 +178,4 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
     query = writer.start()
     log.info("stream %s started with the model of %s: %s -> %s (checkpoint %s)", query.id, model.origin,
              cfg.input.table or cfg.input.path, tables.path("stream_labels"), checkpoint)
-    return query, result
+    return Stream(query, tables, model.origin, device_col, tag)

@@ -88,6 +88,15 @@ def test_cli_over_connect_writes_what_a_classic_session_writes(spark, config, tm
     result = cli("report", "first", "--output", str(out), remote=connect_url, cwd=tmp_path)
     assert result.returncode == 0 and "silhouette" in result.stdout, result.stderr[-3000:]
 
+    # stream: foreachBatch runs in the server's Python; the summary is read back from the tables.
+    result = cli("stream", "--available-now", "--model-run", "first", "--config", str(config), "--set",
+                 f"output.path={out}", "--json", "--quiet", remote=connect_url, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert (summary["batches"], summary["n_labelled"], summary["n_quarantined"]) == (1, 6000, 0)
+    streamed = spark.read.format("delta").load(str(out / "stream_labels"))
+    assert streamed.select("row_id", "cluster_id").orderBy("row_id").collect() == expected
+
     # Failures are one line, last: a missing input (found when Connect first analyses the plan: the same
     # user error, exit 2, as in a classic session), and a server that is not there (exit 1).
     result = cli("run", "--config", str(config), "--set", f"output.path={out}", "--set", "input.path=/nonexistent",

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ from deltalake import DeltaTable
 
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
+from kfed_spark.errors import STREAM_STOPPED
 from kfed_spark.estimator import KFedModel
 from kfed_spark.faults import FAULT_ENV
 from kfed_spark.io import STREAM_TABLES, OutputTables
@@ -59,14 +61,15 @@ def test_three_batches_arriving_while_the_stream_runs_are_each_labelled_or_quara
     source.mkdir()
     cfg = load_config(config, [f"input.path={source}", f"input.schema={MIXTURE_DDL}", "stream.trigger_seconds=0.5"])
     out = tmp_path / "out"
-    query, result = start(spark, cfg, stored_model(OutputTables(spark, cfg.output)), available_now=False)
+    stream = start(spark, cfg, stored_model(OutputTables(spark, cfg.output)), available_now=False)
     try:
         known_rows = seen.take(np.arange(0, seen.num_rows, 2))  # half of each known device's rows
         for i, part in enumerate([known_rows, unseen, bad_rows()]):
             pq.write_table(part, source / f"part-{i}.parquet")
-            query.processAllAvailable()
+            stream.query.processAllAvailable()
     finally:
-        query.stop()
+        stream.query.stop()
+    result = stream.result()
     assert (result.batches, result.n_labelled, result.n_quarantined, result.n_new_devices) == (
         3, known_rows.num_rows + unseen.num_rows, 4, MIXTURE["devices"] - SEEN_DEVICES)
 
@@ -109,8 +112,9 @@ def test_a_delta_source_is_labelled_available_now_and_a_second_run_takes_only_wh
     cfg = load_config(config, settings)
     model = stored_model(OutputTables(spark, cfg.output), "first")
     for rows in (1000, 1500):
-        query, result = start(spark, cfg, model, available_now=True)
-        query.awaitTermination(120)
+        stream = start(spark, cfg, model, available_now=True)
+        stream.query.awaitTermination(120)
+        result = stream.result()
         assert (result.batches, result.n_labelled, result.n_quarantined) == (1, rows, 0)
         spark.createDataFrame(table.slice(1000, 1500).to_pandas()).write.format("delta").mode("append").save(source)
     labelled = spark.read.format("delta").load(str(tmp_path / "labels")).toPandas()
@@ -155,10 +159,12 @@ def test_a_saved_estimator_model_serves_assign_and_its_runs_name_it(spark, confi
 
 
 @pytest.mark.integration
-def test_a_stream_killed_with_sigkill_after_writing_a_batch_resumes_without_duplicates(published_run, tmp_path,
-                                                                                        mixture_path):
-    """The worst moment: the batch's rows are committed to both tables, the checkpoint does not know it yet.
-    The stream's tables and checkpoint are configured paths, away from the published run it reads."""
+def test_a_stream_killed_with_sigkill_resumes_without_duplicates_and_stops_at_once_on_sigterm(
+    published_run, tmp_path, mixture_path
+):
+    """SIGKILL at the worst moment: the batch's rows are committed to both tables, the checkpoint does not
+    know it yet. The restarted stream runs on, a micro-batch a second, until SIGTERM (what Airflow sends on
+    a timeout). Its tables and checkpoint are configured paths, away from the published run it reads."""
     config, _ = published_run
     source = tmp_path / "arriving"
     source.mkdir()
@@ -166,16 +172,28 @@ def test_a_stream_killed_with_sigkill_after_writing_a_batch_resumes_without_dupl
     parts = [table.slice(0, 2000), pa.concat_tables([table.slice(2000, 2000), bad_rows()]), table.slice(4000)]
     for i, part in enumerate(parts):
         pq.write_table(part, source / f"part-{i}.parquet")
-    args = [sys.executable, "-m", "kfed_spark.cli", "stream", "--available-now", "--config", str(config),
+    args = [sys.executable, "-m", "kfed_spark.cli", "stream", "--config", str(config),
             "--set", f"input.path={source}", "--set", "stream.max_files_per_trigger=1"]
     for name in ("labels", "quarantine", "checkpoint"):
         args += ["--set", f"stream.{name}={tmp_path / name}"]
-    killed = subprocess.run(args, capture_output=True, text=True, timeout=300,
+    killed = subprocess.run(args + ["--available-now"], capture_output=True, text=True, timeout=300,
                             env={**os.environ, FAULT_ENV: "kill:stream_batch"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    resumed = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "3 micro-batches" in resumed.stdout  # the killed batch again, then the other two
+
+    log = tmp_path / "resumed.log"
+    with open(log, "w") as err:
+        resumed = subprocess.Popen(args + ["--trigger-seconds", "1"], stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 240
+            while log.read_text().count("stream batch ") < 3 and time.monotonic() < deadline:  # the killed batch
+                time.sleep(0.5)                                                                 # again, two more
+            resumed.send_signal(signal.SIGTERM)
+            resumed.wait(timeout=60)
+        finally:
+            resumed.kill()
+    stderr = log.read_text()
+    assert resumed.returncode == 1 and stderr.count("stream batch ") == 3, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == f"kfed-spark: error: {STREAM_STOPPED}"
 
     labelled = DeltaTable(str(tmp_path / "labels")).to_pyarrow_table().column("row_id").to_pylist()
     quarantined = DeltaTable(str(tmp_path / "quarantine")).to_pyarrow_table().column("row_id").to_pylist()
