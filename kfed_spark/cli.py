@@ -416,7 +416,7 @@ def command_assign(args: argparse.Namespace) -> int:
 
 def command_stream(args: argparse.Namespace) -> int:
     from kfed_spark.io import OutputTables
-    from kfed_spark.models import saved_model, stored_model
+    from kfed_spark.models import finished_model
     from kfed_spark.session import build_session
     from kfed_spark.streaming import start
 
@@ -424,15 +424,15 @@ def command_stream(args: argparse.Namespace) -> int:
     cfg = spark_quiet(load_config(shipped_config(args.config), overrides), args)
     stop_on_sigterm(STREAM_STOPPED)
     spark = build_session(cfg.spark)
-    model = saved_model(spark, args.model) if args.model else stored_model(OutputTables(spark, cfg.output), args.model_run)
+    model = finished_model(OutputTables(spark, cfg.output), args.model_run, args.model)
     stream = start(spark, cfg, model, args.available_now)
     stream.query.awaitTermination()
     result = stream.result()
     print_result(
         args, result,
         f"stream with the model of {result.model_run_id}: {result.batches} micro-batches, {result.n_labelled} rows "
-        f"labelled, {result.n_quarantined} quarantined, {result.n_new_devices} devices the model had not seen; "
-        f"tables under {result.output_path}",
+        f"labelled into {result.labels_table}, {result.n_quarantined} quarantined into {result.quarantine_table}, "
+        f"{result.n_new_devices} devices the model had not seen",
     )
     return 0
 

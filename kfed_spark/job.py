@@ -38,7 +38,7 @@ from kfed_spark.fitting import (
 )
 from kfed_spark.io import TABLES, OutputTables, absolute, read_input
 from kfed_spark.kernels import LabelModel, ServerClustering
-from kfed_spark.models import StoredModel, saved_model, stored_model
+from kfed_spark.models import StoredModel, finished_model
 from kfed_spark.metrics import ari_of
 from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
 
@@ -105,8 +105,8 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
     tables = OutputTables(spark, cfg.output)
     with timer.stage("validate"):
         raw = read_input(spark, cfg.input)
-        parent = (stored_model(tables, parent_run_id) if parent_run_id is not None
-                  else saved_model(spark, model_path) if model_path is not None else None)
+        applies = parent_run_id is not None or model_path is not None
+        parent = finished_model(tables, parent_run_id, model_path) if applies else None
         parent_run_id = None if parent is None else parent.origin
         checked, dim = validated(raw, cfg, None if parent is None else parent.dim)
         check_device_ids(checked, cfg.input.device_col)

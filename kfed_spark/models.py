@@ -95,6 +95,11 @@ def read_saved(spark: SparkSession, path: str) -> tuple[dict, np.ndarray, pa.Tab
     return metadata, np.asarray(metadata["centers"], dtype=np.float64), local
 
 
+def finished_model(tables: OutputTables, run_id: str | None = None, path: str | None = None) -> StoredModel:
+    """The saved KFedModel at path if given, else the published run's model (by default the newest)."""
+    return saved_model(tables.spark, path) if path is not None else stored_model(tables, run_id)
+
+
 def saved_model(spark: SparkSession, path: str) -> StoredModel:
     """The model a KFedModel saved at path holds, as `assign` and `stream` take it (--model PATH)."""
     metadata, centers, local = read_saved(spark, absolute(path))

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
 
 from kfed_spark import faults
@@ -44,12 +44,9 @@ BATCH_FIELDS = [
 
 
 def locations(cfg: KFedConfig) -> dict[str, str]:
-    """Where the stream's tables are: stream.labels and stream.quarantine, by default under output.path."""
-    root = absolute(str(cfg.output.path)).rstrip("/")
-    return {
-        "stream_labels": cfg.stream.labels or f"{root}/stream_labels",
-        "stream_quarantine": cfg.stream.quarantine or f"{root}/stream_quarantine",
-    }
+    """The stream's tables that stream.labels and stream.quarantine put elsewhere than under output.path."""
+    configured = {"stream_labels": cfg.stream.labels, "stream_quarantine": cfg.stream.quarantine}
+    return {name: path for name, path in configured.items() if path}
 
 
 def checkpoint_location(cfg: KFedConfig) -> str:
@@ -85,7 +82,8 @@ class StreamResult:
     n_quarantined: int
     n_new_devices: int
     """Devices the model had not seen, among the rows labelled: the next run clusters them."""
-    output_path: str
+    labels_table: str
+    quarantine_table: str
 
 
 @dataclass(frozen=True)
@@ -119,7 +117,7 @@ class Stream:
             .select(self.device_col).distinct().count()
         ) if batches else 0
         return StreamResult(self.model_run_id, len(batches), written["stream_labels"], written["stream_quarantine"],
-                            new, self.tables.root)
+                            new, self.tables.path("stream_labels"), self.tables.path("stream_quarantine"))
 
 
 def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_now: bool) -> Stream:
