@@ -25,7 +25,6 @@ from pyspark.sql import DataFrame
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
 from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, REASON_COL, LocalCenters, fit, labelled_plan
 from kfed_spark.io import OutputTables
-from kfed_spark.kernels import LabelModel
 from kfed_spark.models import SAVED_LOCAL_CENTERS, read_saved, stored_model
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import SQ_DIST_COL
@@ -107,7 +106,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
 
     def _fit(self, dataset: DataFrame) -> "KFedModel":
         clustering = fit(dataset, self._config())
-        model = KFedModel()._with_state(clustering.local, clustering.server.assignment, clustering.server.centers)
+        model = KFedModel()._with_state(clustering.local.table, clustering.server.assignment, clustering.server.centers)
         return self._copyValues(model)
 
     def write(self) -> MLWriter:
@@ -136,9 +135,8 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         self._local: pa.Table | None = None
         self._centers: np.ndarray | None = None
 
-    def _with_state(self, local: LocalCenters | pa.Table, assignment: np.ndarray, centers: np.ndarray) -> "KFedModel":
-        table = local.table if isinstance(local, LocalCenters) else local
-        self._local = table.append_column("cluster_id", pa.array(assignment, type=pa.int32()))
+    def _with_state(self, local: pa.Table, assignment: np.ndarray, centers: np.ndarray) -> "KFedModel":
+        self._local = local.append_column("cluster_id", pa.array(assignment, type=pa.int32()))
         self._centers = np.asarray(centers, dtype=np.float64)
         return self
 
@@ -189,9 +187,8 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         the model has not seen takes the nearest global center and a null local prediction (its label
         depends on the row alone); `kfed-spark assign` clusters such devices locally instead."""
         cfg = self._config()
-        local = self._local_centers()
-        model = LabelModel.build(local.devices, local.ids, local.centers, self._local.column("cluster_id").to_numpy(),
-                                 self._centers, cfg.label_mode, label_unseen=True)
+        model = self._local_centers().label_model(self._local.column("cluster_id").to_numpy(), self._centers,
+                                                  cfg.label_mode, label_unseen=True)
         return (
             labelled_plan(dataset, cfg, model, self._centers.shape[1])
             .drop(SQ_DIST_COL, REASON_COL)

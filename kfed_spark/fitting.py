@@ -157,9 +157,7 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
         "server step (%s): %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
         where, len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
     )
-    model = LabelModel.build(local.devices, local.ids, local.centers, server.assignment, server.centers,
-                             cfg.label_mode)
-    return Clustering(checked, dim, local, server, model)
+    return Clustering(checked, dim, local, server, local.label_model(server.assignment, server.centers, cfg.label_mode))
 
 
 def merged_on_driver(local: LocalCenters, params: AlgorithmParams) -> tuple[LocalCenters, ServerClustering | None]:
@@ -279,6 +277,11 @@ class LocalCenters:
             centers=feature_matrix(table.column("center"), dim),
             counts=table.column("n_points").to_numpy(),
         )
+
+    def label_model(self, assignment: np.ndarray, centers: np.ndarray, label_mode: str,
+                    label_unseen: bool = False) -> LabelModel:
+        """What labels rows with these local centers, given the global cluster each joined and the centers."""
+        return LabelModel.build(self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen)
 
 
 def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:

@@ -37,7 +37,7 @@ from kfed_spark.fitting import (
     validated,
 )
 from kfed_spark.io import TABLES, OutputTables, absolute, read_input
-from kfed_spark.kernels import LabelModel, ServerClustering
+from kfed_spark.kernels import ServerClustering
 from kfed_spark.models import StoredModel, finished_model
 from kfed_spark.metrics import ari_of
 from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
@@ -190,7 +190,7 @@ def apply_model(checked: DataFrame, dim: int, cfg: KFedConfig, parent: StoredMod
             valid, cfg, dim, LocalCenters.from_arrow(parent.local, dim), parent.assignment, parent.centers
         )
     server = ServerClustering(parent.centers, assignment, seed_device=None, refine_iterations=0)
-    model = LabelModel.build(local.devices, local.ids, local.centers, assignment, parent.centers, cfg.label_mode)
+    model = local.label_model(assignment, parent.centers, cfg.label_mode)
     return Clustering(checked, dim, local, server, model)
 
 

@@ -28,14 +28,13 @@ class StoredModel:
     """A finished model: global centers, every device's local centers and the global cluster each joined.
 
     origin says where it came from: the run id, or `model:<folder>` for a saved KFedModel. config is
-    the run's configuration (its runs row), or the saved model's params; None for neither.
+    the run's configuration (its runs row); None for a saved KFedModel, whose params are its own.
     """
 
     centers: np.ndarray
     local: pa.Table
     assignment: np.ndarray
     origin: str
-    attempt_id: str | None = None
     config: dict | None = None
 
     @property
@@ -43,9 +42,8 @@ class StoredModel:
         return self.centers.shape[1]
 
     def label_model(self, label_mode: str, label_unseen: bool = False) -> LabelModel:
-        local = LocalCenters.from_arrow(self.local, self.dim)
-        return LabelModel.build(local.devices, local.ids, local.centers, self.assignment, self.centers, label_mode,
-                                label_unseen)
+        return LocalCenters.from_arrow(self.local, self.dim).label_model(self.assignment, self.centers, label_mode,
+                                                                         label_unseen)
 
 
 def newest_run_id(tables: OutputTables) -> str:
@@ -77,7 +75,6 @@ def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel
         local.select(LOCAL_CENTER_COLUMNS),
         local.column("cluster_id").to_numpy(),
         origin=run_id,
-        attempt_id=published[0].attempt_id,
         config=json.loads(published[0].config),
     )
 
@@ -102,6 +99,6 @@ def finished_model(tables: OutputTables, run_id: str | None = None, path: str | 
 
 def saved_model(spark: SparkSession, path: str) -> StoredModel:
     """The model a KFedModel saved at path holds, as `assign` and `stream` take it (--model PATH)."""
-    metadata, centers, local = read_saved(spark, absolute(path))
+    _, centers, local = read_saved(spark, absolute(path))
     return StoredModel(centers, local.select(LOCAL_CENTER_COLUMNS), local.column("cluster_id").to_numpy(),
-                       origin=f"model:{absolute(path)}", config=metadata.get("paramMap"))
+                       origin=f"model:{absolute(path)}")

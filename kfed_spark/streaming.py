@@ -155,6 +155,7 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
             if n_bad:
                 frames["stream_quarantine"] = (tagged.filter(bad).withColumnRenamed(REASON_COL, "reason")
                                                .select(*schemas["stream_quarantine"].names))
+            # The batch's own session: over Spark Connect this function runs in the server, not where start ran.
             OutputTables(batch.sparkSession, cfg.output, locations(cfg)).append_batch(
                 frames, app_id, batch_id, f"kfed-spark stream {app_id} {tag} batch {batch_id}")
             faults.point("stream_batch")
