@@ -21,8 +21,11 @@ from contextlib import contextmanager
 
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
+from pyspark.ml.functions import vector_to_array
+from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.types import StructField, StructType
+from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
 
 from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
 from kfed_spark.errors import InputError, KFedError, first_line
@@ -141,8 +144,33 @@ TRANSACTION_CONFLICT = "DELTA_CONCURRENT_TRANSACTION"
 """Delta's error when another writer committed the same txnAppId at the same time."""
 
 
+VECTOR_STORED_AS = ArrayType(DoubleType(), False)
+"""How the tables hold a Spark ML vector column (VectorAssembler's output): VectorUDT is Spark's own
+type, which delta-rs, DuckDB, Trino and every other Delta reader refuse."""
+
+
 def column_comment(table: str, column: str) -> str:
     return TABLE_COLUMN_COMMENTS.get((table, column)) or COLUMN_COMMENTS.get(column) or "as in the input table"
+
+
+def stored_field(table: str, field: StructField) -> StructField:
+    """A column as its output table holds it, with its comment: a Spark ML vector as array<double>."""
+    comment = column_comment(table, field.name)
+    if isinstance(field.dataType, VectorUDT):
+        return StructField(field.name, VECTOR_STORED_AS, field.nullable,
+                           {"comment": f"{comment}, where it is a Spark ML vector; stored as array<double>"})
+    return StructField(field.name, field.dataType, field.nullable, {"comment": comment})
+
+
+def stored_columns(df: DataFrame) -> DataFrame:
+    """df with its Spark ML vector columns as array<double> (stored_field), the others as they are."""
+    if not any(isinstance(f.dataType, VectorUDT) for f in df.schema.fields):
+        return df
+    return df.select(*[
+        F.when(F.col(f.name).isNotNull(), vector_to_array(F.col(f.name))).alias(f.name)
+        if isinstance(f.dataType, VectorUDT) else F.col(f.name)
+        for f in df.schema.fields
+    ])
 
 
 def sql_string(text: str) -> str:
@@ -319,9 +347,10 @@ class OutputTables:
             existing_schema = self.read(name).schema
         except AnalysisException as exc:
             raise KFedError(f"cannot read output table {self.path(name)}: {first_line(exc)}") from None
+        stored = [stored_field(name, f) for f in schema.fields]
         existing = {(f.name, f.dataType.simpleString()) for f in existing_schema.fields}
-        wanted = {(f.name, f.dataType.simpleString()) for f in schema.fields}
-        added = [f for f in schema.fields if (f.name, f.dataType.simpleString()) in wanted - existing]
+        wanted = {(f.name, f.dataType.simpleString()) for f in stored}
+        added = [f for f in stored if (f.name, f.dataType.simpleString()) in wanted - existing]
         if existing != wanted and not (existing < wanted and all(f.nullable for f in added)):
             extra = sorted(n for n, _ in existing - wanted)
             missing = sorted(n for n, _ in wanted - existing)
@@ -393,15 +422,14 @@ class OutputTables:
 
     def _create(self, name: str, schema: StructType, stats_columns: list[str] | None = None) -> None:
         """Create a table, empty, with its comments and partitioning (partition_columns), in one commit
-        (CREATE TABLE AS SELECT from an empty view carries any column type, Spark ML vectors included,
-        and the comments)."""
+        (CREATE TABLE AS SELECT from an empty view carries the column types and the comments); columns
+        as stored_field holds them."""
         view = f"kfed_create_{name}_{uuid.uuid4().hex[:8]}"
         properties = "" if stats_columns is None else (
             f"TBLPROPERTIES ('{STATS_COLUMNS_PROPERTY}' = "
             f"{sql_string(','.join('`' + c.replace('`', '``') + '`' for c in stats_columns))}) "
         )
-        commented = StructType([StructField(f.name, f.dataType, f.nullable, {"comment": column_comment(name, f.name)})
-                                for f in schema.fields])
+        commented = StructType([stored_field(name, f) for f in schema.fields])
         self.spark.createDataFrame([], commented).createOrReplaceTempView(view)
         try:
             with self.writing(name):
@@ -414,7 +442,7 @@ class OutputTables:
             self.spark.catalog.dropTempView(view)
 
     def _write(self, df: DataFrame, name: str, mode: str, note: str, **options: str) -> None:
-        writer = df.write.format("delta").mode(mode).option("userMetadata", note)
+        writer = stored_columns(df).write.format("delta").mode(mode).option("userMetadata", note)
         if partition_columns(name):
             writer = writer.partitionBy(*partition_columns(name))
         with self.writing(name):

@@ -13,6 +13,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
+from pyspark.ml.functions import array_to_vector
+from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
@@ -103,22 +105,37 @@ def test_three_batches_arriving_while_the_stream_runs_are_each_labelled_or_quara
 def test_a_delta_source_is_labelled_available_now_and_a_second_run_takes_only_what_arrived_since(
     spark, published_run, mixture_path, tmp_path
 ):
+    """The features are a Spark ML vector column here (what VectorAssembler writes), one of them null: the
+    stream's tables hold them as lists of doubles, which delta-rs reads."""
     config, _ = published_run
     source = str(tmp_path / "events")
     table = pq.read_table(mixture_path)
-    spark.createDataFrame(table.slice(0, 1000).to_pandas()).write.format("delta").save(source)
+
+    def append(rows: pa.Table) -> None:
+        frame = spark.createDataFrame(rows.to_pandas())
+        frame = frame.withColumn("features", F.when(F.col("features").isNotNull(), array_to_vector("features")))
+        frame.write.format("delta").mode("append").save(source)
+
+    append(pa.concat_tables([table.slice(0, 1000), bad_rows().slice(3, 1)]))  # the null features
     settings = [f"input.path={source}", "input.format=delta", f"stream.labels={tmp_path / 'labels'}",
                 f"stream.quarantine={tmp_path / 'quarantine'}", f"stream.checkpoint={tmp_path / 'checkpoint'}"]
     cfg = load_config(config, settings)
     model = stored_model(OutputTables(spark, cfg.output), "first")
-    for rows in (1000, 1500):
+    for rows, bad in ((1000, 1), (1500, 0)):
         stream = start(spark, cfg, model, available_now=True)
         stream.query.awaitTermination(120)
         result = stream.result()
-        assert (result.batches, result.n_labelled, result.n_quarantined) == (1, rows, 0)
-        spark.createDataFrame(table.slice(1000, 1500).to_pandas()).write.format("delta").mode("append").save(source)
-    labelled = spark.read.format("delta").load(str(tmp_path / "labels")).toPandas()
-    assert sorted(labelled.row_id) == list(range(2500)) and not labelled.new_device.any()
+        assert (result.batches, result.n_labelled, result.n_quarantined) == (1, rows, bad)
+        append(table.slice(1000, 1500))
+    labelled = DeltaTable(str(tmp_path / "labels")).to_pyarrow_table()
+    assert sorted(labelled.column("row_id").to_pylist()) == list(range(2500))
+    assert not any(labelled.column("new_device").to_pylist())
+    given = dict(zip(table.column("row_id").to_pylist(), table.column("features").to_pylist()))
+    assert all(given[row_id] == features for row_id, features in
+               zip(labelled.column("row_id").to_pylist(), labelled.column("features").to_pylist()))
+    quarantined = DeltaTable(str(tmp_path / "quarantine")).to_pyarrow_table()
+    assert quarantined.column("features").to_pylist() == [None] and quarantined.column("reason").to_pylist() == [
+        "null_features"]
 
 
 def test_transform_is_a_plan_that_runs_no_job_and_streams(spark, published_run, mixture_path, tmp_path):
