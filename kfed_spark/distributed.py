@@ -35,7 +35,7 @@ def global_centers(local: DataFrame, dim: int, params: AlgorithmParams) -> Serve
         median = local.agg(F.percentile_approx("n_points", 0.5, 100_000)).first()[0]
         eligible = local.filter(F.col("n_points") >= params.robust_min_size * median)
     m = params.server_representatives * params.k
-    found = eligible.select("center", "n_points").mapInArrow(
+    found = eligible.select("device_id", "local_cluster_id", "center", "n_points").mapInArrow(
         lambda batches: representatives_from_batches(batches, m, dim, params.seed), REPRESENTATIVE_SCHEMA
     ).toArrow()
     x = feature_matrix(found.column("center"), dim)

@@ -5,6 +5,12 @@ driver over all local centers; LabelModel labels rows with the result (in the Sp
 job's workers and in federated_kmeans, the single-process reference). Spark code calls
 these functions; they never call Spark. Only LabelModel's device lookup uses pandas (a
 hash index: device ids may be strings).
+
+Squared distances are computed as |x|^2 - 2 x.c + |c|^2 (one matrix product), whose rounding error
+grows with the rows' distance from the origin, not with their spread: at 1e9 from the origin it
+swamps distances of 1. So every kernel first moves its rows near the origin (by their mean, or the
+centers' mean) and moves its centers back at the end; every cut-off is then relative to the rows'
+spread, and shifting or scaling the features changes no label.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ RANDOMIZED_SVD_MIN_DIM = 512
 """Devices with at least this many features use a seeded randomized SVD instead of an exact one."""
 
 DUPLICATE_TOLERANCE = 1e-12
-"""Squared distances below this fraction of the largest squared norm are rounding residue, not distance."""
+"""Squared distances below this fraction of the largest squared distance from the rows' mean are
+rounding residue of equal rows, not distance."""
 
 DISTANCE_CHUNK_ELEMENTS = 1 << 22
 """Distance matrices are built in row chunks of at most this many entries (32 MiB of float64)."""
@@ -70,11 +77,19 @@ def plain(value: object) -> object:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def centered(x: np.ndarray, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(x minus its (weighted) mean, the mean): rows near the origin, whose expanded squared distances
+    are accurate to their spread (see the module's docstring)."""
+    origin = np.average(x, axis=0, weights=weights)
+    return x - origin, origin
+
+
 def squared_distances(
     x: np.ndarray, centers: np.ndarray, x_sq: np.ndarray | None = None, c_sq: np.ndarray | None = None
 ) -> np.ndarray:
     """(n, k) squared Euclidean distances as |x|^2 - 2 x.c + |c|^2 (one matrix product), clipped at 0.
 
+    Accurate to the rows' spread only for rows near the origin: callers pass centered() rows.
     x_sq and c_sq are the rows' squared norms, if the caller already has them.
     """
     x_sq = np.einsum("ij,ij->i", x, x) if x_sq is None else x_sq
@@ -88,14 +103,19 @@ def squared_distances(
 
 
 def nearest_center(x: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Index of and squared distance to the nearest center for every row, in bounded-memory chunks."""
+    """Index of and squared distance to the nearest center for every row, in bounded-memory chunks.
+
+    Rows and centers are first moved by the centers' mean, so that the result is as accurate far
+    from the origin as near it.
+    """
     n = len(x)
     labels = np.empty(n, dtype=np.int64)
     best = np.empty(n, dtype=np.float64)
+    centers, origin = centered(centers)
     c_sq = np.einsum("ij,ij->i", centers, centers)
     step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, len(centers)))
     for start in range(0, n, step):
-        chunk = x[start : start + step]
+        chunk = x[start : start + step] - origin
         # |c|^2 - 2 x.c orders the centers as the squared distance does; |x|^2 is added to the winner only.
         partial = chunk @ centers.T
         partial *= -2.0
@@ -133,6 +153,7 @@ def kmeans_plusplus(
     as scikit-learn does): single-draw k-means++ often puts two seeds in one cluster.
     """
     trials = 2 + int(np.log(k))
+    x, _ = centered(x, weights)
     norms = np.einsum("ij,ij->i", x, x)
     # Squared distances up to this are rounding residue of equal rows: once every row is that close
     # to a seed, the distinct rows have run out.
@@ -167,13 +188,14 @@ def lloyd(
 
     Also stops after max_iter rounds or once no center moves more than tol (squared, relative
     to the data's total variance, so that shifting the data does not change when it stops, as
-    scikit-learn scales its tol). An emptied cluster keeps its previous center.
+    scikit-learn scales its tol). An emptied cluster keeps its previous center. The means are
+    taken of centered() rows, so that they are as accurate far from the origin as near it.
     Returns (centers, each row's label and squared distance under them, rounds run).
     """
-    centers = np.array(centers, dtype=np.float64)
     k = len(centers)
-    mean = np.average(x, axis=0, weights=weights)
-    scale = float(np.sum(np.average((x - mean) ** 2, axis=0, weights=weights))) or 1.0
+    x, origin = centered(x, weights)
+    centers = np.asarray(centers, dtype=np.float64) - origin
+    scale = float(np.sum(np.average(x**2, axis=0, weights=weights))) or 1.0
     labels, sq_dist = nearest_center(x, centers)
     rounds = 0
     while rounds < max_iter:
@@ -187,7 +209,7 @@ def lloyd(
         labels = new_labels
         if unchanged or shift <= tol * scale:
             break
-    return centers, labels, sq_dist, rounds
+    return centers + origin, labels, sq_dist, rounds
 
 
 def top_right_singular_vectors(
@@ -232,21 +254,24 @@ def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: Algorith
 
     Rows are deduplicated first (np.unique sorts them), so duplicates cost nothing and the
     result does not depend on the order the rows arrived in. A device with at most k distinct
-    rows returns those rows with their multiplicities.
+    rows returns those rows with their multiplicities. The rest works on the centered() rows: the
+    projection is on the top singular vectors of the rows around their mean (the paper's uncentered
+    rows would give a subspace that depends on where the origin is).
     """
     distinct, counts = np.unique(np.asarray(x, dtype=np.float64), axis=0, return_counts=True)
     if len(distinct) <= k:
         return LocalClustering(distinct, counts.astype(np.int64), np.zeros(len(distinct)))
     weights = counts.astype(np.float64)
-    rank = min(k, distinct.shape[1])
-    projected = distinct @ top_right_singular_vectors(distinct, weights, rank, rng).T
+    rows, origin = centered(distinct, weights)
+    rank = min(k, rows.shape[1])
+    projected = rows @ top_right_singular_vectors(rows, weights, rank, rng).T
     rough = rough_centers(projected, weights, k, params.local_restarts, rng)
-    initial = margin_initial_centers(distinct, projected, weights, rough)
-    centers, labels, sq_dist, _ = lloyd(distinct, weights, initial, params.max_iter, params.tol)
+    initial = margin_initial_centers(rows, projected, weights, rough)
+    centers, labels, sq_dist, _ = lloyd(rows, weights, initial, params.max_iter, params.tol)
     mass = np.bincount(labels, weights=weights, minlength=k)
     sse = np.bincount(labels, weights=weights * sq_dist, minlength=k)
     keep = mass > 0
-    return LocalClustering(centers[keep], mass[keep].astype(np.int64), sse[keep])
+    return LocalClustering(centers[keep] + origin, mass[keep].astype(np.int64), sse[keep])
 
 
 def rough_centers(
@@ -259,14 +284,27 @@ def rough_centers(
     the projection has only k dimensions, so trying several costs little next to the Lloyd
     rounds on the original rows.
     """
-    best_cost, best = np.inf, None
+    tried = []
     for _ in range(restarts):
         seeds = projected[kmeans_plusplus(projected, weights, k, rng)]
         centers, _, sq_dist, _ = lloyd(projected, weights, seeds, ROUGH_LLOYD_ITERATIONS, tol=0.0)
-        cost = float(weights @ sq_dist)
-        if cost < best_cost:
-            best_cost, best = cost, centers
-    return best
+        tried.append((centers, float(weights @ sq_dist)))
+    return tried[lowest_cost([cost for _, cost in tried])][0]
+
+
+COST_TIE = 1e-9
+"""Restarts whose costs differ by less than this fraction are ties: rounding must not pick the winner."""
+
+
+def lowest_cost(costs: list[float]) -> int:
+    """The first of the restarts whose cost is within COST_TIE of the lowest.
+
+    Restarts that end in one clustering (in another order) have costs equal up to rounding, and
+    rounding depends on where the origin is; the first of them wins, so a shifted or scaled table
+    keeps the same ids.
+    """
+    lowest = min(costs)
+    return next(i for i, cost in enumerate(costs) if cost <= lowest + COST_TIE * abs(lowest))
 
 
 def estimate_local_k(x: np.ndarray, k_max: int) -> int:
@@ -379,11 +417,9 @@ def server_step(
         if found is None and not eligible.all():  # too few distinct centers pass the filter: use them all
             eligible[:] = True
             found = _kmeanspp_centers(ordered, weights, params)
-        if found is None:
-            raise ValueError(
-                f"k = {k} is more than the {len(np.unique(ordered, axis=0))} distinct local centers the devices "
-                f"provide; lower k or raise k_per_device"
-            )
+        if found is None:  # counted by the rule that ran out of them, so that the numbers agree
+            distinct = len(kmeans_plusplus(ordered, weights, len(ordered), device_rng(params.seed, SERVER_RNG_KEY)))
+            raise too_few_distinct(k, distinct)
         global_centers, ordered_assignment, rounds = found
     else:
         initial, seed_device = _largest_device_centers(ordered, device_ids[order], eligible, k)
@@ -414,12 +450,13 @@ def representatives(x: np.ndarray, weights: np.ndarray, m: int, rng: np.random.G
     """
     if len(x) <= m:
         return x, weights
+    x, origin = centered(x, weights)
     sample = np.sort(rng.choice(len(x), min(len(x), REPRESENTATIVE_SAMPLE * m), replace=False))
     seeds = x[sample[kmeans_plusplus(x[sample], weights[sample], m, rng)]]
     _, labels, _, _ = lloyd(x, weights, seeds, REPRESENTATIVE_ROUNDS, 0.0)
     means, mass = weighted_means(x, weights, labels, len(seeds))
     held = mass > 0
-    return means[held], mass[held]
+    return means[held] + origin, mass[held]
 
 
 def _kmeanspp_centers(
@@ -441,7 +478,7 @@ def _kmeanspp_centers(
         if len(seeds) < params.k:
             return None if len(sample) == len(x) else _kmeanspp_centers(x, weights, params, len(x))
         tried.append(_refine(x[sample], weights[sample], x[sample][seeds], params))
-    centers, assignment, rounds, _ = min(tried, key=lambda result: result[3])
+    centers, assignment, rounds, _ = tried[lowest_cost([result[3] for result in tried])]
     if len(sample) < len(x):
         centers, assignment, more_rounds, _ = _refine(x, weights, centers, params)
         rounds += more_rounds
@@ -475,6 +512,7 @@ def _farthest_point_seeds(x: np.ndarray, initial: np.ndarray, eligible: np.ndarr
     product per added seed (O(k m d) in all, no m x k matrix). When the eligible points run out
     of distinct candidates, the others may be picked too; fewer than k distinct points is an error.
     """
+    x, _ = centered(x)
     norms = np.einsum("ij,ij->i", x, x)
     # |x|^2 - 2x.c + |c|^2 leaves rounding residue for equal points: below this, a point is a duplicate.
     duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
@@ -495,11 +533,14 @@ def _farthest_point_seeds(x: np.ndarray, initial: np.ndarray, eligible: np.ndarr
             to_new += norms[farthest]
             np.minimum(to_seeds, to_new, out=to_seeds)
     if len(seeds) < k:
-        raise ValueError(
-            f"k = {k} is more than the {len(seeds)} distinct local centers the devices provide; "
-            f"lower k or raise k_per_device"
-        )
+        raise too_few_distinct(k, len(seeds))
     return np.asarray(seeds)
+
+
+def too_few_distinct(k: int, distinct: int) -> ValueError:
+    """The error of a server step asked for more clusters than there are distinct local centers."""
+    return ValueError(f"k = {k} is more than the {distinct} distinct local centers the devices provide; "
+                      "lower k or raise k_per_device")
 
 
 def nearest_device_center(
@@ -524,8 +565,9 @@ class LabelModel:
     """Everything needed to label a row: each device's local centers and their global clusters.
 
     Devices are rows of padded arrays: device_centers (devices, k', d), center_valid (devices,
-    k'), center_cluster (devices, k'). It travels to the workers inside the labelling function,
-    which Spark broadcasts once it is large.
+    k'), center_cluster (devices, k'). Centers are held relative to origin, the global centers'
+    mean, and rows are moved by it before any distance (see the module's docstring). It travels to
+    the workers inside the labelling function, which Spark broadcasts once it is large.
 
     With label_unseen, a row of a device the model has no local centers for takes the nearest global
     center and local cluster -1 (what streams and the estimator's transform do: the label then depends
@@ -533,10 +575,11 @@ class LabelModel:
     """
 
     devices: np.ndarray
-    device_centers: np.ndarray
+    device_centers: np.ndarray  # relative to origin
     center_valid: np.ndarray
     center_cluster: np.ndarray
-    global_centers: np.ndarray
+    global_centers: np.ndarray  # relative to origin
+    origin: np.ndarray
     label_mode: str
     label_unseen: bool = False
 
@@ -545,16 +588,19 @@ class LabelModel:
               label_unseen: bool = False) -> "LabelModel":
         keys, slot = np.unique(np.asarray(devices), return_inverse=True)
         width = int(np.max(local_ids)) + 1
+        global_centers, origin = centered(np.asarray(global_centers, dtype=np.float64))
         device_centers = np.zeros((len(keys), width, centers.shape[1]))
         center_valid = np.zeros((len(keys), width), dtype=bool)
         center_cluster = np.full((len(keys), width), -1, dtype=np.int64)
-        device_centers[slot, local_ids] = centers
+        device_centers[slot, local_ids] = centers - origin
         center_valid[slot, local_ids] = True
         center_cluster[slot, local_ids] = clusters
-        return cls(keys, device_centers, center_valid, center_cluster, global_centers, label_mode, label_unseen)
+        return cls(keys, device_centers, center_valid, center_cluster, global_centers, origin, label_mode,
+                   label_unseen)
 
     def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(local_cluster_id, cluster_id, squared distance to the global center) per row."""
+        x = x - self.origin
         slots = pd.Index(self.devices).get_indexer(devices)
         unseen = slots < 0
         if np.any(unseen) and not self.label_unseen:

@@ -75,6 +75,7 @@ def silhouette(x: np.ndarray, labels: np.ndarray) -> float:
     keys, index = np.unique(labels, return_inverse=True)
     if len(keys) < 2:
         return 0.0
+    x = x - x.mean(axis=0)  # the expanded distances below are accurate to the spread only near the origin
     sq = np.einsum("ij,ij->i", x, x)
     dist = np.sqrt(np.maximum(sq[:, None] - 2.0 * x @ x.T + sq[None, :], 0.0))
     sums = np.zeros((len(x), len(keys)))
@@ -102,6 +103,7 @@ def within_cluster_cost(counts: np.ndarray, sums: np.ndarray, squared_norms: np.
 
 def cost_of_labels(x: np.ndarray, labels: np.ndarray) -> float:
     """k-means cost of the clusters a labelling of the rows x defines, around their own means."""
+    x = x - x.mean(axis=0)  # moments about a point near the rows: within_cluster_cost's difference stays accurate
     _, index = np.unique(labels, return_inverse=True)
     sums = np.zeros((index.max() + 1, x.shape[1]))
     np.add.at(sums, index, x)

@@ -211,15 +211,17 @@ class _LocalCenterRows:
 def representatives_from_batches(
     batches: Iterator[pa.RecordBatch], m: int, dim: int, seed: int
 ) -> Iterator[pa.RecordBatch]:
-    """One partition of (center, n_points) local centers reduced to at most m weighted
-    representatives (kernels.representatives); yields (center, weight). The draws are seeded from
-    the run seed and the partition's first center, so a retried task draws the same."""
+    """One partition of (device_id, local_cluster_id, center, n_points) local centers reduced to at
+    most m weighted representatives (kernels.representatives); yields (center, weight). The draws are
+    seeded from the run seed and the partition's first local center's ids (not its values, which
+    shifting the features would change), so a retried task draws the same."""
     table = pa.Table.from_batches(list(batches))
     if table.num_rows == 0:
         return
-    x = feature_matrix(table.column(0), dim)
-    weights = table.column(1).to_numpy().astype(np.float64)
-    found, mass = representatives(x, weights, m, device_rng(seed, f"representatives:{x[0].tobytes().hex()}"))
+    first = f"representatives:{table.column(0)[0].as_py()!r}:{table.column(1)[0].as_py()}"
+    x = feature_matrix(table.column(2), dim)
+    weights = table.column(3).to_numpy().astype(np.float64)
+    found, mass = representatives(x, weights, m, device_rng(seed, first))
     yield pa.RecordBatch.from_arrays([features_array(found), pa.array(mass)], names=["center", "weight"])
 
 
@@ -249,7 +251,7 @@ def label_arrays(
     PartitionEvaluation (the truth is the fourth array) is on the last row's EVALUATION_COL, null on
     every other row; each batch is held until the next one shows it is not the last.
     """
-    gathered = None if evaluation is None else PartitionEvaluation(evaluation)
+    gathered = None if evaluation is None else PartitionEvaluation(evaluation, model.origin)
     held = None
     for arrays in batches:
         labellable, device_array, features = arrays[:3]

@@ -8,6 +8,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kfed_spark.bench.datasets import default_data_dir
@@ -37,6 +38,20 @@ def runs_of(spark, out):
 
 MIXTURE = dict(k=12, k_per_device=3, devices=60, points_per_device=100, dim=8, seed=3)
 """The tests' separated mixture (conftest's mixture_path): 12 clusters, 60 devices x 100 rows, 3 per device, d = 8."""
+
+
+FAR_MIXTURE = dict(k=12, k_per_device=4, devices=60, points_per_device=100, dim=6, seed=5)
+"""The scale tests' mixture (kfed_spark.bench.synthetic.mixture): 12 clusters, 60 devices x 100 rows, 4 per device, d = 6."""
+
+
+FEATURE_MOVES = {"shifted by 1e6": (1.0, 1e6), "shifted by 1e9": (1.0, 1e9), "scaled by 1e-6": (1e-6, 0.0)}
+"""(scale, shift) of the features that must change no label: readings, coordinates in metres, prices and
+timestamps sit far from the origin, and units differ."""
+
+
+def spread(x) -> float:
+    """The rows' own spread: their total squared distance from their mean (n times the total variance)."""
+    return float(np.sum((x - x.mean(axis=0)) ** 2))
 
 
 def run_cli(config: Path, *overrides: str) -> int:
@@ -92,6 +107,21 @@ def _readme_duckdb_view() -> str:
 
 DUCKDB_PUBLISHED_LABELS = _readme_duckdb_view()
 """The README's view of the published labels for DuckDB (over delta-rs datasets named labels and runs)."""
+
+
+def duckdb_published(out, name: str):
+    """The published rows of output table `name` as DuckDB sees them without Spark: every table read with
+    delta-rs, and the README's view of the published labels (DUCKDB_PUBLISHED_LABELS) put on `name`."""
+    import duckdb
+    from deltalake import DeltaTable
+
+    con = duckdb.connect()
+    for table in ("runs", name):
+        con.register(table, DeltaTable(str(Path(out) / table)).to_pyarrow_dataset())
+    if name == "runs":
+        return con.sql("SELECT * FROM runs").to_arrow_table()
+    con.sql(DUCKDB_PUBLISHED_LABELS.replace("published_labels", f"published_{name}").replace("FROM labels", f"FROM {name}"))
+    return con.sql(f"SELECT * FROM published_{name}").to_arrow_table()
 
 
 def readme_device_profile_queries() -> list[str]:

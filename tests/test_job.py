@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pyspark.ml.functions import array_to_vector
@@ -21,7 +22,26 @@ from kfed_spark.kernels import federated_kmeans
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import DEFAULTS, AlgorithmParams
 
-from helpers import MIXTURE, ROOT, fitted_labels, labels_of, published, report_folder, run_cli, runs_of, write_empty_config
+from kfed_spark.bench import synthetic
+from kfed_spark.bench.datasets import write_parquet_folder
+from kfed_spark.workers import feature_matrix, features_array
+
+from helpers import (
+    FAR_MIXTURE,
+    FEATURE_MOVES,
+    MIXTURE,
+    ROOT,
+    by_row,
+    duckdb_published,
+    fitted_labels,
+    labels_of,
+    published,
+    report_folder,
+    run_cli,
+    runs_of,
+    spread,
+    write_empty_config,
+)
 
 def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_path, mixture_path, capsys):
     assert run_cli(config) == 0
@@ -86,6 +106,34 @@ def test_spark_job_equals_the_single_process_numpy_run(spark, config, tmp_path, 
     got = got.set_index("row_id").loc[table.column("row_id").to_numpy()]
     np.testing.assert_array_equal(got.cluster_id.to_numpy(), reference.labels)
     np.testing.assert_array_equal(got.local_cluster_id.to_numpy(), reference.local_labels)
+
+
+@pytest.mark.parametrize("settings", [
+    ("seeding=kmeanspp", "server_refine=lloyd", "server_step=driver", "label_mode=induced"),
+    ("seeding=farthest", "server_refine=none", "server_step=distributed", "label_mode=nearest"),
+])
+def test_shifted_or_scaled_features_give_the_same_labels_and_relative_cost(spark, tmp_path, settings):
+    """The job on one table as given, shifted by 1e6 and 1e9 and scaled by 1e-6: the same labels row for
+    row and the same cost relative to each table's own spread. Between them the two settings take each
+    seeding rule, refinement, server step and label mode; test_robustness holds every combination of
+    the kernels to the same."""
+    table = synthetic.mixture(**FAR_MIXTURE)
+    x = feature_matrix(table.column("features"))
+    tables = {"given": x, **{name.replace(" ", "_").replace("-", "m"): x * scale + shift
+                             for name, (scale, shift) in FEATURE_MOVES.items()}}
+    common = ["input.features_col=features", "input.truth_col=true_cluster", f"output.path={tmp_path / 'out'}",
+              f"k={FAR_MIXTURE['k']}", f"k_per_device={FAR_MIXTURE['k_per_device']}", "seed=4", *settings]
+    for run_id, features in tables.items():
+        write_parquet_folder(table.set_column(2, "features", features_array(features)), tmp_path / run_id)
+        assert run_cli(write_empty_config(tmp_path), f"input.path={tmp_path / run_id}", f"run_id={run_id}",
+                       *common) == 0
+    runs = {run.run_id: run for run in runs_of(spark, tmp_path / "out")}
+    given = by_row(labels_of(spark, tmp_path / "out", "given"), "cluster_id", "local_cluster_id")
+    assert adjusted_rand_index(table.column("true_cluster").to_numpy(), given.cluster_id.to_numpy()) > 0.95
+    for run_id, features in tables.items():
+        labels = by_row(labels_of(spark, tmp_path / "out", run_id), "cluster_id", "local_cluster_id")
+        assert labels.equals(given), run_id
+        assert runs[run_id].cost / spread(features) == pytest.approx(runs["given"].cost / spread(x), rel=1e-6)
 
 
 def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_path):
@@ -177,6 +225,17 @@ def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(sp
     assert dict(zip(quarantine.row_id, quarantine.reason)) == {
         5: "null_features", 6: "wrong_dimension (expected 2)", 7: "non_finite_value"}
     assert sorted(published(spark, tmp_path / "out", "labels").toPandas().row_id) == [1, 2, 3, 4]
+    # Every table opens without Spark (delta-rs refuses Spark's vector type), the vectors as lists of doubles.
+    given = {row_id: None if vector is None else vector.toArray().tolist() for row_id, _, vector in rows}
+    for name in TABLES:
+        table = duckdb_published(tmp_path / "out", name)
+        assert table.num_rows > 0, name
+        if name in ("labels", "quarantine"):
+            assert table.schema.field("features").type.value_type == pa.float64(), name
+            got = dict(zip(table.column("row_id").to_pylist(), table.column("features").to_pylist()))
+            assert str(got) == str({row_id: given[row_id] for row_id in got}), name  # str: nan equals nan
+    assert "Spark ML vector" in spark.sql(f"DESCRIBE delta.`{tmp_path / 'out' / 'labels'}`").filter(
+        "col_name = 'features'").first().comment
     predicted = KFed(k=2, kPerDevice=2, seed=0).fit(frame).transform(frame).toPandas().set_index("row_id")
     assert predicted.prediction[[5, 6, 7]].isna().all() and predicted.prediction[[1, 2, 3, 4]].notna().all()
 

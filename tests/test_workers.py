@@ -66,22 +66,16 @@ def test_a_device_over_the_row_bound_is_clustered_on_a_sample_that_ignores_row_o
 
 
 def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():
-    model = LabelModel.build(
-        devices=np.array([7, 7, 9]),
-        local_ids=np.array([0, 1, 0]),
-        centers=np.array([[0.0], [10.0], [4.0]]),
-        clusters=np.array([1, 0, 1]),
-        global_centers=np.array([[10.0], [1.0]]),
-        label_mode="induced",
-    )
+    arrays = dict(devices=np.array([7, 7, 9]), local_ids=np.array([0, 1, 0]), centers=np.array([[0.0], [10.0], [4.0]]),
+                  clusters=np.array([1, 0, 1]), global_centers=np.array([[10.0], [1.0]]))
+    model = LabelModel.build(**arrays, label_mode="induced")
     batch = with_reasons(rows_batch([9, 7, 7], np.array([[9.0], [9.0], [1.0]])), [None, None, None])
     out = labelled(batch, model, 1)
     assert out.column_names == ["local_cluster_id", "cluster_id", "__kfed_sq_dist", "non_finite", "__kfed_evaluation"]
     assert out.column("local_cluster_id").to_pylist() == [0, 1, 0]
     assert out.column("cluster_id").to_pylist() == [1, 0, 1]  # device 9's only center is in cluster 1
     assert out.column("__kfed_sq_dist").to_pylist() == [64.0, 1.0, 0.0]
-    nearest = LabelModel.build(np.array([7, 7, 9]), np.array([0, 1, 0]), model.device_centers[[0, 0, 1], [0, 1, 0]],
-                               np.array([1, 0, 1]), model.global_centers, "nearest")
+    nearest = LabelModel.build(**arrays, label_mode="nearest")
     assert labelled(batch, nearest, 1).column("cluster_id").to_pylist() == [0, 0, 1]
 
 
