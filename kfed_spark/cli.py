@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         message = describe(exc)
         if message is None:
             raise
-        print(f"kfed-spark: error: {message}", file=sys.stderr)
+        # On a terminal Spark's progress bar may hold the line: back to its start and clear it first.
+        start_of_line = "\r\x1b[K" if sys.stderr.isatty() else ""
+        print(f"{start_of_line}kfed-spark: error: {message}", file=sys.stderr)
         return exc.exit_code if isinstance(exc, KFedError) and not STOP_REQUESTED.is_set() else 1
 
 

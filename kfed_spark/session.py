@@ -25,6 +25,7 @@ DEFAULT_SPARK_LOG_LEVEL = "WARN"
 """Spark's own log level unless the config sets spark.log.level (under spark-submit Spark would log at INFO)."""
 SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
 """Settings a Spark Connect client may set on its session; the rest belong to the server."""
+CONSOLE_PROGRESS = "spark.ui.showConsoleProgress"
 DEFAULT_CONNECT_PORT = 15002
 DELTA_JARS_ENV = "KFED_DELTA_JARS"
 """Comma-separated local Delta jars, for machines that cannot resolve packages from Maven."""
@@ -68,7 +69,8 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         # started by its absolute path (cron, systemd, a BashOperator) without activating it. PySpark
         # reads the workers' interpreter from this variable when it creates the SparkContext.
         os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
-    for key, value in {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **spark_cfg.conf}.items():
+    conf = {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **spark_cfg.conf}
+    for key, value in {**conf, CONSOLE_PROGRESS: console_progress(conf)}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
     resolve = False
@@ -86,6 +88,14 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     if resolve:
         remember_delta_jars(session)
     return _remembered(session)
+
+
+def console_progress(conf: dict) -> str:
+    """Spark's progress bar, on where the JVM's stderr (this process's) is a terminal and the config
+    does not turn it off: in a file (an Airflow task log, cron, CI) its carriage-return redraws pile
+    up as fragments, and the error line gets glued to one of them."""
+    wanted = conf_value(conf.get(CONSOLE_PROGRESS, "true")) != "false"
+    return "true" if wanted and os.isatty(2) else "false"
 
 
 def _remembered(session: SparkSession) -> SparkSession:
