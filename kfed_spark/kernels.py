@@ -80,8 +80,33 @@ def plain(value: object) -> object:
 def centered(x: np.ndarray, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(x minus its (weighted) mean, the mean): rows near the origin, whose expanded squared distances
     are accurate to their spread (see the module's docstring)."""
-    origin = np.average(x, axis=0, weights=weights)
+    origin = x.mean(axis=0) if weights is None else (weights @ x) / weights.sum()
     return x - origin, origin
+
+
+def distinct_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of x in lexicographic order, and how often each occurs: what
+    np.unique(x, axis=0, return_counts=True) returns, a tenth of its time on continuous features.
+
+    Rows are sorted by their first value; only runs of rows that tie on it are sorted by all their
+    values (where most rows tie, as on images whose first pixel is always 0, np.unique does it).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if len(x) == 0:
+        return x, np.zeros(0, dtype=np.int64)
+    ordered = x[np.argsort(x[:, 0], kind="stable")]
+    tied = ordered[1:, 0] == ordered[:-1, 0]
+    if np.count_nonzero(tied) > len(x) // 2:
+        return np.unique(x, axis=0, return_counts=True)
+    if tied.any():
+        in_run = np.zeros(len(x), dtype=bool)
+        in_run[1:] |= tied
+        in_run[:-1] |= tied
+        run = np.cumsum(np.concatenate([[True], ~tied]))
+        rows = np.flatnonzero(in_run)
+        ordered[rows] = ordered[rows[np.lexsort((*ordered[rows, ::-1].T, run[rows]))]]  # last key first
+    starts = np.flatnonzero(np.concatenate([[True], np.any(ordered[1:] != ordered[:-1], axis=1)]))
+    return ordered[starts], np.diff(np.append(starts, len(x)))
 
 
 def squared_distances(
@@ -108,37 +133,47 @@ def nearest_center(x: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.n
     Rows and centers are first moved by the centers' mean, so that the result is as accurate far
     from the origin as near it.
     """
-    n = len(x)
-    labels = np.empty(n, dtype=np.int64)
-    best = np.empty(n, dtype=np.float64)
     centers, origin = centered(centers)
-    c_sq = np.einsum("ij,ij->i", centers, centers)
-    step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, len(centers)))
-    for start in range(0, n, step):
-        chunk = x[start : start + step] - origin
+    x = x - origin
+    return _nearest(x, np.einsum("ij,ij->i", x, x), centers)
+
+
+def _nearest(x: np.ndarray, x_sq: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """nearest_center of rows x that are already near the origin, given their squared norms x_sq;
+    centers may have a leading axis of restarts, (r, k, d), and so then do the results, (r, n)."""
+    transposed = np.swapaxes(centers, -1, -2)
+    c_sq = np.einsum("...kd,...kd->...k", centers, centers)[..., None, :]
+    step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, centers.shape[-2] * (centers.shape[0] if centers.ndim == 3 else 1)))
+    parts = []
+    for start in range(0, max(1, len(x)), step):  # one (empty) chunk for no rows
         # |c|^2 - 2 x.c orders the centers as the squared distance does; |x|^2 is added to the winner only.
-        partial = chunk @ centers.T
+        partial = x[start : start + step] @ transposed
         partial *= -2.0
-        partial += c_sq[None, :]
-        nearest = np.argmin(partial, axis=1)
-        labels[start : start + step] = nearest
-        best[start : start + step] = partial[np.arange(len(chunk)), nearest] + np.einsum("ij,ij->i", chunk, chunk)
-    np.maximum(best, 0.0, out=best)
-    return labels, best
+        partial += c_sq
+        parts.append((np.argmin(partial, axis=-1), np.min(partial, axis=-1) + x_sq[start : start + step]))
+    if len(parts) == 1:
+        nearest, best = parts[0]
+    else:
+        nearest, best = (np.concatenate([part[i] for part in parts], axis=-1) for i in (0, 1))
+    return nearest, np.maximum(best, 0.0, out=best)
 
 
 def weighted_means(
     x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-label weighted sums divided by per-label weights; also returns the weights (0 for empty)."""
+    """Per-label weighted sums divided by per-label weights; also returns the weights (0 for empty).
+
+    The sums are matrix products with the (k, rows) matrix of the rows' weights by label, in row
+    chunks of bounded size: a few numpy calls where a device has few rows.
+    """
     mass = np.bincount(labels, weights=weights, minlength=k)
-    order = np.argsort(labels, kind="stable")
-    sorted_labels = labels[order]
-    present = np.flatnonzero(mass > 0)
-    starts = np.searchsorted(sorted_labels, present)
     sums = np.zeros((k, x.shape[1]))
-    if len(present):
-        sums[present] = np.add.reduceat(x[order] * weights[order, None], starts, axis=0)
+    step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, k))
+    for start in range(0, len(x), step):
+        chunk = slice(start, start + step)
+        by_label = np.zeros((k, len(x[chunk])))
+        by_label[labels[chunk], np.arange(len(by_label[0]))] = weights[chunk]
+        sums += by_label @ x[chunk]
     means = np.divide(sums, mass[:, None], out=np.zeros_like(sums), where=mass[:, None] > 0)
     return means, mass
 
@@ -195,8 +230,9 @@ def lloyd(
     k = len(centers)
     x, origin = centered(x, weights)
     centers = np.asarray(centers, dtype=np.float64) - origin
-    scale = float(np.sum(np.average(x**2, axis=0, weights=weights))) or 1.0
-    labels, sq_dist = nearest_center(x, centers)
+    x_sq = np.einsum("ij,ij->i", x, x)
+    scale = float(weights @ x_sq / weights.sum()) or 1.0
+    labels, sq_dist = _nearest(x, x_sq, centers)
     rounds = 0
     while rounds < max_iter:
         rounds += 1
@@ -204,7 +240,7 @@ def lloyd(
         moved = mass > 0
         shift = float(np.max(np.sum((means[moved] - centers[moved]) ** 2, axis=1), initial=0.0))
         centers[moved] = means[moved]
-        new_labels, sq_dist = nearest_center(x, centers)
+        new_labels, sq_dist = _nearest(x, x_sq, centers)
         unchanged = np.array_equal(new_labels, labels)
         labels = new_labels
         if unchanged or shift <= tol * scale:
@@ -215,10 +251,18 @@ def lloyd(
 def top_right_singular_vectors(
     x: np.ndarray, weights: np.ndarray, rank: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """(rank, d) top right singular vectors of the weighted rows sqrt(w) * x."""
+    """(rank, d) top right singular vectors of the weighted rows sqrt(w) * x.
+
+    Below RANDOMIZED_SVD_MIN_DIM features they are the top eigenvectors of the (d, d) Gram matrix
+    (a device is a tall, thin matrix: a quarter of an SVD's time at 500 x 32), or the SVD itself
+    when the device has fewer rows than features.
+    """
     a = x * np.sqrt(weights)[:, None]
     if x.shape[1] < RANDOMIZED_SVD_MIN_DIM:
-        return np.linalg.svd(a, full_matrices=False)[2][:rank]
+        if len(a) < a.shape[1]:
+            return np.linalg.svd(a, full_matrices=False)[2][:rank]
+        vectors = np.linalg.eigh(a.T @ a)[1]  # eigenvalues in ascending order
+        return vectors[:, ::-1][:, :rank].T
     # Randomized range finder (Halko, Martinsson and Tropp 2011) with two power iterations.
     sketch = a @ rng.standard_normal((x.shape[1], min(x.shape[1], rank + 10)))
     for _ in range(2):
@@ -258,7 +302,7 @@ def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: Algorith
     projection is on the top singular vectors of the rows around their mean (the paper's uncentered
     rows would give a subspace that depends on where the origin is).
     """
-    distinct, counts = np.unique(np.asarray(x, dtype=np.float64), axis=0, return_counts=True)
+    distinct, counts = distinct_rows(x)
     if len(distinct) <= k:
         return LocalClustering(distinct, counts.astype(np.int64), np.zeros(len(distinct)))
     weights = counts.astype(np.float64)
@@ -282,14 +326,82 @@ def rough_centers(
 
     One rough clustering sometimes merges two close clusters, and every later step inherits it;
     the projection has only k dimensions, so trying several costs little next to the Lloyd
-    rounds on the original rows.
+    rounds on the original rows. The restarts run side by side as arrays with a leading restart
+    axis (_batched_rough_clusterings): on a device's few hundred rows the numpy calls, not the
+    arithmetic, are the cost. Where a seeding runs out of distinct rows they run one after the
+    other instead, from the same draws.
     """
-    tried = []
+    projected, origin = centered(projected, weights)
+    state = rng.bit_generator.state
+    found = _batched_rough_clusterings(projected, weights, k, restarts, rng)
+    if found is None:
+        rng.bit_generator.state = state
+        found = _sequential_rough_clusterings(projected, weights, k, restarts, rng)
+    centers, costs = found
+    return centers[lowest_cost(list(costs))] + origin
+
+
+def _sequential_rough_clusterings(
+    projected: np.ndarray, weights: np.ndarray, k: int, restarts: int, rng: np.random.Generator
+) -> tuple[list[np.ndarray], list[float]]:
+    """Each restart's rough centers and cost, one restart after the other."""
+    centers, costs = [], []
     for _ in range(restarts):
         seeds = projected[kmeans_plusplus(projected, weights, k, rng)]
-        centers, _, sq_dist, _ = lloyd(projected, weights, seeds, ROUGH_LLOYD_ITERATIONS, tol=0.0)
-        tried.append((centers, float(weights @ sq_dist)))
-    return tried[lowest_cost([cost for _, cost in tried])][0]
+        found, _, sq_dist, _ = lloyd(projected, weights, seeds, ROUGH_LLOYD_ITERATIONS, tol=0.0)
+        centers.append(found)
+        costs.append(float(weights @ sq_dist))
+    return centers, costs
+
+
+def _batched_rough_clusterings(
+    x: np.ndarray, weights: np.ndarray, k: int, restarts: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """_sequential_rough_clusterings with the restarts as a leading array axis: the same draws (each
+    restart's from the generator in turn), the same choices up to floating-point rounding. None if
+    a seeding runs out of distinct rows (the sequential one then stops early, and this cannot).
+    x must be near the origin (centered()).
+    """
+    n, trials = len(x), 2 + int(np.log(k))
+    draws = rng.random((restarts, 1 + trials * (k - 1)))  # restart r's draws, in the order kmeans_plusplus takes them
+    norms = np.einsum("ij,ij->i", x, x)
+    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
+    rows = np.arange(restarts)
+    mass = np.cumsum(weights)
+    chosen = np.empty((restarts, k), dtype=np.int64)
+    chosen[:, 0] = np.minimum(np.searchsorted(mass, draws[:, 0] * mass[-1], side="right"), n - 1)
+    closest = np.maximum(norms[chosen[:, :1]] - 2.0 * (x[chosen[:, 0]] @ x.T) + norms[None, :], 0.0)
+    minus_twice_xt = -2.0 * x.T
+    running_out = duplicate_below * float(weights.sum())
+    for step in range(1, k):
+        cumulative = np.cumsum(weights * closest, axis=1)
+        # Every row within rounding of a seed (kmeans_plusplus's stop) leaves at most this potential.
+        if np.any(cumulative[:, -1] <= running_out):
+            return None
+        targets = draws[:, 1 + (step - 1) * trials: 1 + step * trials] * cumulative[:, -1:]
+        candidates = np.minimum([np.searchsorted(cumulative[r], targets[r], side="right") for r in rows], n - 1)
+        candidate_closest = x[candidates] @ minus_twice_xt
+        candidate_closest += norms[candidates][:, :, None]
+        candidate_closest += norms
+        np.maximum(candidate_closest, 0.0, out=candidate_closest)
+        np.minimum(candidate_closest, closest[:, None, :], out=candidate_closest)
+        best = np.argmin(candidate_closest @ weights, axis=1)
+        chosen[:, step] = candidates[rows, best]
+        closest = candidate_closest[rows, best]
+    centers = x[chosen]  # (restarts, k, p)
+    labels, sq_dist = _nearest(x, norms, centers)
+    for _ in range(ROUGH_LLOYD_ITERATIONS):
+        by_label = np.zeros((restarts, k, n))
+        by_label[rows[:, None], labels, np.arange(n)[None, :]] = weights
+        cluster_mass = by_label.sum(axis=2)
+        moved = cluster_mass > 0
+        centers = np.where(moved[:, :, None], (by_label @ x) / np.where(moved, cluster_mass, 1.0)[:, :, None], centers)
+        new_labels, sq_dist = _nearest(x, norms, centers)
+        unchanged = np.array_equal(new_labels, labels)
+        labels = new_labels
+        if unchanged:  # every restart has converged (one more round would change none of them)
+            break
+    return centers, sq_dist @ weights
 
 
 COST_TIE = 1e-9
@@ -317,7 +429,7 @@ def estimate_local_k(x: np.ndarray, k_max: int) -> int:
     1 + the number of such directions, so it needs d >= k - 1 and roughly isotropic noise; on
     data with structure in many directions (images) it stays at k_max.
     """
-    distinct, counts = np.unique(np.asarray(x, dtype=np.float64), axis=0, return_counts=True)
+    distinct, counts = distinct_rows(x)
     if len(distinct) <= 2:
         return max(1, min(k_max, len(distinct)))
     mean = np.average(distinct, axis=0, weights=counts)

@@ -131,6 +131,27 @@ def test_local_step_is_deterministic_and_ignores_row_order():
         np.testing.assert_array_equal(first.counts, other.counts)
 
 
+@pytest.mark.parametrize("rows, k, restarts", [(500, 8, 3), (60, 7, 5), (40, 2, 1)])
+def test_restarts_side_by_side_choose_what_one_after_the_other_does(rows, k, restarts):
+    """The batched rough clusterings take the same draws and reach the same centers and costs as the
+    restarts run one by one (up to floating-point rounding), with weights from duplicated rows."""
+    rng = np.random.default_rng(rows)
+    x, _ = blobs(rng, rng.normal(0, 3, size=(k, 5)), rows)
+    x, _ = kernels.centered(x)
+    weights = rng.integers(1, 4, size=rows).astype(np.float64)
+    batched = kernels._batched_rough_clusterings(x, weights, k, restarts, device_rng(1, "d"))
+    one_by_one = kernels._sequential_rough_clusterings(x, weights, k, restarts, device_rng(1, "d"))
+    np.testing.assert_allclose(batched[0], np.stack(one_by_one[0]), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(batched[1], one_by_one[1], rtol=1e-9)
+
+
+def test_rough_clusterings_of_rows_that_run_out_of_distinct_points_fall_back_to_one_by_one():
+    x = np.repeat(np.array([[0.0, 0.0], [5.0, 5.0]]), 20, axis=0)  # two distinct points for k = 3
+    assert kernels._batched_rough_clusterings(x - 2.5, np.ones(40), 3, 2, device_rng(0, 0)) is None
+    np.testing.assert_array_equal(np.sort(kernels.rough_centers(x, np.ones(40), 3, 2, device_rng(0, 0)), axis=0),
+                                  [[0.0, 0.0], [5.0, 5.0]])
+
+
 @pytest.mark.parametrize("device", [2, 8])
 def test_local_restarts_keep_the_cheapest_rough_clustering_and_split_merged_close_clusters(device):
     """Two devices of the close-means mixture whose one rough clustering merges two clusters."""
