@@ -92,15 +92,14 @@ def test_a_failing_run_logs_no_progress_bar_to_a_file_and_shows_it_on_a_terminal
                                        stderr=terminal_end)
     os.close(terminal_end)
     shown = b""
-    while True:  # the terminal's output until the process closes it
-        if select.select([terminal], [], [], 600)[0]:
-            try:
-                chunk = os.read(terminal, 65536)
-            except OSError:  # EIO: every writer has closed the terminal
-                break
-            if not chunk:
-                break
-            shown += chunk
+    while select.select([terminal], [], [], 600)[0]:  # the terminal's output until the processes close it
+        try:
+            chunk = os.read(terminal, 65536)
+        except OSError:  # EIO: every writer has closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
     os.close(terminal)
     assert to_file.wait(timeout=600) == 2 and to_terminal.wait(timeout=600) == 2
     logged = (tmp_path / "stderr.log").read_bytes()

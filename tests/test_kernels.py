@@ -227,6 +227,13 @@ def test_server_step_rejects_k_above_distinct_local_centers(seeding):
     centers = np.concatenate([distinct, distinct[::-1]])
     with pytest.raises(ValueError, match="k = 6 is more than the 5 distinct local centers"):
         server_step(centers, np.ones(10), np.arange(10), np.zeros(10), AlgorithmParams(k=6, seeding=seeding))
+    # Far from the origin, centers a unit apart are still distinct: the count agrees with np.unique's.
+    far = np.concatenate([distinct, distinct[::-1]]) / 1e3 + 1e9
+    assert len(np.unique(far, axis=0)) == 5
+    with pytest.raises(ValueError, match="k = 6 is more than the 5 distinct local centers"):
+        server_step(far, np.ones(10), np.arange(10), np.zeros(10), AlgorithmParams(k=6, seeding=seeding))
+    assert len(np.unique(server_step(far, np.ones(10), np.arange(10), np.zeros(10),
+                                     AlgorithmParams(k=5, seeding=seeding)).assignment)) == 5
 
 
 def test_pruned_farthest_point_search_equals_the_plain_one():
