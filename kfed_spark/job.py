@@ -84,8 +84,8 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, model_path: str | None = None
-        ) -> RunResult:
+def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, model_path: str | None = None,
+        timer: StageTimer | None = None) -> RunResult:
     """Cluster the configured input with k-FED as a new attempt of the run id, and publish it.
 
     Everything that can be checked is checked before anything is written. Then the attempt is
@@ -101,7 +101,7 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
     if parent_run_id == run_id:
         raise ConfigError(f"run {run_id!r} cannot take its own model: give the new run another run_id")
     started_at = datetime.now(timezone.utc)
-    timer = StageTimer()
+    timer = timer or StageTimer()
     tables = OutputTables(spark, cfg.output)
     with timer.stage("validate"):
         raw = read_input(spark, cfg.input)
@@ -117,7 +117,8 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         faults.point("created")
     ledger = Ledger(tables)
     row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
-    attempt = ledger.begin(row)
+    with timer.stage("claim"):
+        attempt = ledger.begin(row)
     try:
         faults.point("claimed")
         if parent is None:
@@ -138,12 +139,14 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
             faults.point("report")
         row.update(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
         faults.point("before_publish")
-        ledger.publish(attempt, row)
+        with timer.stage("publish"):  # in the RunResult only: the runs row is what it commits
+            ledger.publish(attempt, row)
     except BaseException as exc:
         ledger.fail({**row, "timings": dict(timer.seconds)}, describe(exc) or f"{type(exc).__name__}: {exc}")
         raise
     faults.point("published")
-    ledger.supersede_others(attempt)
+    with timer.stage("supersede"):
+        ledger.supersede_others(attempt)
     log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, result.n_labelled, result.n_quarantined,
              result.cost)
     return result

@@ -82,6 +82,24 @@ class Report:
         return "\n".join(lines) + "\n"
 
 
+BENCH_SPARK_CONF = {
+    "spark.sql.shuffle.partitions": "8",
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.log.level": "WARN",
+}
+"""The Spark settings of every benchmark process, the job's included (those of conf/local.yaml)."""
+
+
+def bench_session(app_name: str, driver_memory: str, master: str = "local[2]"):
+    """A local SparkSession with Delta and BENCH_SPARK_CONF."""
+    from kfed_spark.config import SparkConfig
+    from kfed_spark.session import build_session
+
+    conf = {"spark.driver.memory": driver_memory, **BENCH_SPARK_CONF}
+    return build_session(SparkConfig(master=master, app_name=app_name, conf=conf))
+
+
 def planted(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """(features, device ids, truth) of a generated input, and the planted clusters' cost."""
     table = pq.read_table(path, columns=["device_id", "features", "true_cluster"])
@@ -265,18 +283,24 @@ def run_sklearn(x: np.ndarray, k: int, seed: int) -> tuple[Entry, np.ndarray]:
 
 def peak_memory_mb() -> dict[str, float]:
     """Peak resident memory (VmHWM) of this Python driver, the Spark JVM and the largest Python worker."""
+    return memory_roles({int(p.name) for p in Path("/proc").glob("[0-9]*")}, os.getpid())
+
+
+def memory_roles(pids: set[int], driver_pid: int) -> dict[str, float]:
+    """The largest peak resident memory (VmHWM, MB) among pids of each role: the Python driver (driver_pid),
+    the Spark JVM (driver and executors in local mode) and Python workers; other processes are left out."""
     peaks: dict[str, float] = {}
-    me = os.getpid()
-    for status in Path("/proc").glob("[0-9]*/status"):
+    for pid in pids:
         try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-            cmdline = (status.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         if "VmHWM" not in fields:
             continue
         megabytes = int(fields["VmHWM"].split()[0]) / 1024
-        if int(status.parent.name) == me:
+        if pid == driver_pid:
             role = "python driver"
         elif "java" in fields.get("Name", "") and "pyspark" in cmdline:
             role = "spark JVM (driver and executors in local mode)"
@@ -357,11 +381,6 @@ def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
         ratios["k-FED cost / scikit-learn cost (target <= 1)"] = kfed.cost / sklearn.cost
     return Report(len(x), len(np.unique(devices)), x.shape[1], k, k_per_device, planted_cost,
                   [entry for entry, _ in measured], ratios, peak_memory_mb(), command, spark_passes, repeats)
-
-
-def write_report(report: Report, out: Path) -> None:
-    (out / "benchmark.json").write_text(json.dumps(asdict(report), indent=2))
-    (out / "benchmark.md").write_text(report.markdown())
 
 
 def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int) -> dict[str, float]:

@@ -1,0 +1,117 @@
+"""The benchmark's Spark contenders other than the job, each run as a process of its own (as spark-submit
+would run it): `python -m kfed_spark.bench.contenders mllib|passes|setup-passes --data PARQUET --out DIR`.
+
+Each prints one JSON object on stdout: the seconds of its stages (session start included), and for
+MLlib the fit's cost. kfed_spark.bench.processes starts them and times the whole process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+PASSES_TABLE = "passes_labels"
+"""The Delta table (under --out) the bare passes' second pass appends to; setup-passes creates it."""
+MLLIB_LABELS = "mllib_labels"
+"""The Delta table (under --out) MLlib's labelled rows are written to, replaced at every run."""
+
+
+class Stages:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._last, 3)
+        self._last = now
+
+
+def mllib(spark, data: str, out: Path, k: int, seed: int, stages: Stages) -> dict:
+    """MLlib KMeans (k-means||, default maxIter) fit on the Parquet input, then transform and a Delta write
+    of every row with its cluster; the input is not cached by hand, as a user's script would not."""
+    from pyspark.ml.clustering import KMeans
+    from pyspark.ml.functions import array_to_vector
+
+    rows = spark.read.parquet(data).withColumn("features_vector", array_to_vector("features"))
+    model = KMeans(k=k, seed=seed, featuresCol="features_vector", predictionCol="cluster_id").fit(rows)
+    stages.done("read and fit")
+    (model.transform(rows).drop("features_vector")
+     .write.format("delta").mode("overwrite").save(str(out / MLLIB_LABELS)))
+    stages.done("transform and Delta write")
+    return {"cost": model.summary.trainingCost}
+
+
+def passes(spark, data: str, out: Path, stages: Stages) -> dict:
+    """Spark's passes of k-FED's shape with no clustering in them: read -> shuffle by device -> a Python
+    function that returns nothing; read -> an Arrow UDF over (device, features), one int per row ->
+    Delta append (to a table with statistics on the columns the labels table keeps them on)."""
+    from pyspark.sql import functions as F
+
+    rows = spark.read.parquet(data)
+    partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    (rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
+     .mapInArrow(lambda batches: (b.slice(0, 0) for b in batches), rows.schema).agg(F.count("*")).collect())
+    stages.done("read -> shuffle by device -> Python function (returns nothing)")
+    labelled(rows).write.format("delta").mode("append").save(str(out / PASSES_TABLE))
+    stages.done("read -> Python UDF over (device, features), one int per row -> Delta write")
+    return {}
+
+
+def labelled(rows):
+    from pyspark.sql.functions import arrow_udf
+
+    @arrow_udf("int")
+    def one_int_per_row(devices: pa.Array, features: pa.Array) -> pa.Array:
+        return pa.array(np.zeros(len(devices), dtype=np.int32))
+
+    return rows.withColumn("cluster_id", one_int_per_row("device_id", "features"))
+
+
+def setup_passes(spark, data: str, out: Path, stages: Stages) -> dict:
+    """The bare passes' Delta table, empty, as a location that exists before a scheduled run."""
+    from kfed_spark.bench.benchmark import new_delta_table
+    from kfed_spark.io import STATS_COLUMNS_PROPERTY
+    from kfed_spark.job import stats_columns
+
+    schema = labelled(spark.read.parquet(data)).schema
+    new_delta_table(spark, out / PASSES_TABLE, schema,
+                    {STATS_COLUMNS_PROPERTY: ",".join(stats_columns("device_id")["labels"][:1] + ["cluster_id"])})
+    stages.done("create table")
+    return {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kfed_spark.bench.contenders")
+    parser.add_argument("contender", choices=["mllib", "passes", "setup-passes"])
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--k", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--driver-memory", default="2g")
+    args = parser.parse_args(argv)
+    stages = Stages()
+    from kfed_spark.bench.benchmark import bench_session
+
+    spark = bench_session(f"kfed-bench-{args.contender}", args.driver_memory, args.master)
+    stages.done("session")
+    out = Path(args.out)
+    if args.contender == "mllib":
+        figures = mllib(spark, args.data, out, args.k, args.seed, stages)
+    elif args.contender == "passes":
+        figures = passes(spark, args.data, out, stages)
+    else:
+        figures = setup_passes(spark, args.data, out, stages)
+    print(json.dumps({"stages": stages.seconds, **figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

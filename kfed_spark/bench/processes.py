@@ -1,0 +1,251 @@
+"""The benchmark as users run it: every contender a fresh process of its own, one after the other.
+
+spark-submit, an Airflow task and cron start a new process for every run, so each run pays the JVM's
+start, the Python workers' start and imports, and a cold JIT. The contenders, on the same Parquet input:
+`kfed-spark run` as a scheduled run (a new run id into an output location an earlier run created),
+MLlib KMeans fit + transform + Delta write (kfed_spark.bench.contenders), and Spark's bare passes of
+k-FED's shape with no clustering in them (the same). Each is timed from its start to its exit, with the
+stages it reports and its process tree's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import yaml
+
+from kfed_spark.bench.benchmark import BENCH_SPARK_CONF, memory_roles
+from kfed_spark.bench.contenders import MLLIB_LABELS
+from kfed_spark.errors import KFedError
+from kfed_spark.metrics import adjusted_rand_index
+
+KFED = "k-FED: kfed-spark run, a new run id into an existing location"
+MLLIB = "Spark MLlib KMeans: read, fit, transform, Delta write"
+PASSES = "Spark's bare passes of k-FED's shape, no clustering"
+SETUP_DEVICES = 50
+"""Devices of the input slice the setup run clusters, to create the location the timed run writes into."""
+
+
+@dataclass
+class ProcessRun:
+    name: str
+    seconds: float
+    """Wall time of the process, from its start to its exit."""
+    stages: dict[str, float]
+    peak_memory_mb: dict[str, float]
+    cost: float | None = None
+    ari: float | None = None
+
+
+@dataclass
+class FreshReport:
+    rows: int
+    devices: int
+    dim: int
+    k: int
+    k_per_device: int
+    runs: list[ProcessRun]
+    ratios: dict[str, float]
+    command: str
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        lines = [
+            f"{self.rows:,} rows, {self.devices:,} devices, d = {self.dim}, k = {self.k}, {self.k_per_device} "
+            f"clusters per device; each contender a fresh process, one run each; `{self.command}`",
+            "",
+            "| contender (fresh process) | seconds | k-means cost | ARI | peak memory MB: driver, JVM, largest worker |",
+            "| --- | ---: | ---: | ---: | --- |",
+        ]
+        for run in self.runs:
+            memory = ", ".join(f"{run.peak_memory_mb.get(role, 0):,.0f}" for role in ROLES)
+            cost = "" if run.cost is None else f"{run.cost:.6g}"
+            ari = "" if run.ari is None else f"{run.ari:.4f}"
+            lines.append(f"| {run.name} | {run.seconds:.2f} | {cost} | {ari} | {memory} |")
+        lines += ["", "| ratio (fresh processes) | value |", "| --- | ---: |"]
+        lines += [f"| {name} | {value:.2f} |" for name, value in self.ratios.items()]
+        for run in self.runs:
+            lines += ["", f"{run.name}, stages (s): " + ", ".join(f"{s} {v:.2f}" for s, v in run.stages.items())]
+        lines += [""] + self.notes
+        return "\n".join(lines).rstrip() + "\n"
+
+
+ROLES = ("python driver", "spark JVM (driver and executors in local mode)", "largest python worker")
+
+
+class PeakMemory(threading.Thread):
+    """Samples the peak resident memory (VmHWM) of a process and all its descendants every `interval`
+    seconds until stopped, by role (memory_roles). A high-water mark: a sample shortly before a
+    process exits holds its peak."""
+
+    def __init__(self, pid: int, interval: float = 0.25):
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.peaks: dict[str, float] = {}
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        while not self.finished.wait(self.interval):
+            for role, megabytes in memory_roles(descendants(self.pid), self.pid).items():
+                self.peaks[role] = max(self.peaks.get(role, 0.0), megabytes)
+
+    def stop(self) -> dict[str, float]:
+        self.finished.set()
+        self.join()
+        return self.peaks
+
+
+def descendants(root: int) -> set[int]:
+    """root and every process below it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def timed_process(name: str, argv: list[str], log_path: Path) -> tuple[float, str, dict[str, float]]:
+    """Run argv to its exit: (wall seconds, its stdout, its process tree's peak memory); its stderr goes
+    to log_path. A failure raises, naming the log."""
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+        sampler = PeakMemory(process.pid)
+        sampler.start()
+        stdout, _ = process.communicate()
+        seconds = time.perf_counter() - start
+    peaks = sampler.stop()
+    if process.returncode != 0:
+        raise KFedError(f"the benchmark's {name} process failed (exit {process.returncode}); its log: {log_path}")
+    return seconds, stdout, peaks
+
+
+def kfed_command() -> list[str]:
+    """The kfed-spark CLI of this environment, by its absolute path, as cron or Airflow would start it."""
+    script = Path(sys.executable).parent / "kfed-spark"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kfed_spark.cli"]
+
+
+def read_into_file_cache(data: str) -> None:
+    """Read every file of the input once, so that each contender starts with the same warm file cache."""
+    for path in sorted(Path(data).rglob("*")) if Path(data).is_dir() else [Path(data)]:
+        if path.is_file():
+            with open(path, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
+def kfed_config(data: str, location: Path, k: int, k_per_device: int, seed: int, master: str,
+                driver_memory: str) -> dict:
+    """The scheduled run's config: conf/local.yaml's settings on the benchmark's input, without the run
+    report (the other contenders make none)."""
+    return {
+        "input": {"path": data, "format": "parquet", "device_col": "device_id", "features_col": "features"},
+        "output": {"path": str(location)},
+        "k": k, "k_per_device": k_per_device, "seed": seed, "report": False,
+        "spark": {"master": master, "conf": {"spark.driver.memory": driver_memory, **BENCH_SPARK_CONF}},
+    }
+
+
+def ari_against(truth_by_row: np.ndarray, folder: Path) -> float:
+    """ARI of the (row_id, cluster_id) labels in a folder of Parquet files (a Delta table's, or one of its
+    partitions) against the input's truth."""
+    table = ds.dataset(str(folder), format="parquet").to_table(columns=["row_id", "cluster_id"])
+    return adjusted_rand_index(truth_by_row[table.column("row_id").to_numpy()], table.column("cluster_id").to_numpy())
+
+
+def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, command: str,
+                    master: str = "local[2]", driver_memory: str = "2g") -> FreshReport:
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    table = pq.read_table(data, columns=["row_id", "device_id", "true_cluster"])
+    truth_by_row = np.empty(len(table), dtype=np.int64)
+    truth_by_row[table.column("row_id").to_numpy()] = table.column("true_cluster").to_numpy()
+    device_ids = np.unique(table.column("device_id").to_numpy())
+    dim = len(pq.read_table(data, columns=["features"]).slice(0, 1).column("features")[0])
+
+    location = out / "kfed"
+    shutil.rmtree(location, ignore_errors=True)
+    setup_input = out / "setup_input"
+    shutil.rmtree(setup_input, ignore_errors=True)
+    ds.write_dataset(ds.dataset(data, format="parquet").to_table(
+        filter=ds.field("device_id").isin(device_ids[:SETUP_DEVICES])), str(setup_input), format="parquet")
+    configs = {}
+    for role, source in (("setup", str(setup_input)), ("timed", data)):
+        configs[role] = out / f"kfed-{role}.yaml"
+        configs[role].write_text(yaml.safe_dump(
+            kfed_config(source, location, k, k_per_device, seed, master, driver_memory), sort_keys=False))
+    kfed = kfed_command()
+    contender = [sys.executable, "-m", "kfed_spark.bench.contenders"]
+    common = ["--data", data, "--out", str(out), "--k", str(k), "--seed", str(seed), "--master", master,
+              "--driver-memory", driver_memory]
+    timed_process("setup run", [*kfed, "run", "--config", str(configs["setup"]), "--set", "run_id=bench-setup",
+                                "--quiet"], logs / "kfed-setup.log")
+    timed_process("setup of the bare passes", [*contender, "setup-passes", *common], logs / "passes-setup.log")
+
+    runs = []
+    run_id = f"bench-{time.strftime('%Y%m%dT%H%M%S')}"
+    read_into_file_cache(data)
+    seconds, stdout, peaks = timed_process(
+        "k-FED", [*kfed, "run", "--config", str(configs["timed"]), "--set", f"run_id={run_id}", "--json"],
+        logs / "kfed.log")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    stages = with_rest(result["timings"], seconds, "process start, imports and exit")
+    labels = location / "labels" / f"run_id={run_id}" / f"attempt_id={result['attempt_id']}"
+    runs.append(ProcessRun(KFED, seconds, stages, peaks, result["cost"], ari_against(truth_by_row, labels)))
+
+    shutil.rmtree(out / MLLIB_LABELS, ignore_errors=True)
+    read_into_file_cache(data)
+    seconds, stdout, peaks = timed_process("MLlib", [*contender, "mllib", *common], logs / "mllib.log")
+    figures = json.loads(stdout.strip().splitlines()[-1])
+    runs.append(ProcessRun(MLLIB, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"),
+                           peaks, figures["cost"], ari_against(truth_by_row, out / MLLIB_LABELS)))
+
+    read_into_file_cache(data)
+    seconds, stdout, peaks = timed_process("bare passes", [*contender, "passes", *common], logs / "passes.log")
+    figures = json.loads(stdout.strip().splitlines()[-1])
+    runs.append(ProcessRun(PASSES, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"),
+                           peaks))
+
+    kfed_run, mllib_run, passes_run = runs
+    ratios = {
+        "MLlib / k-FED, wall time": mllib_run.seconds / kfed_run.seconds,
+        "k-FED / Spark's bare passes, wall time": kfed_run.seconds / passes_run.seconds,
+        "k-FED cost / MLlib cost": kfed_run.cost / mllib_run.cost,
+    }
+    notes = [
+        f"Each process was started by this benchmark ({sys.executable}), one after the other, after reading the "
+        "input once into the file cache; peak memory is sampled every 0.25 s over the process tree.",
+    ]
+    return FreshReport(len(table), len(device_ids), dim, k, k_per_device, runs, ratios, command, notes)
+
+
+JOB_STAGES = ("session", "validate", "claim", "local_step", "server_step", "labels", "other_tables", "report",
+              "publish", "supersede")
+"""The job's stages in the order it runs them (its JSON lists them sorted by name)."""
+
+
+def with_rest(stages: dict[str, float], seconds: float, rest: str) -> dict[str, float]:
+    """The stages a process reported, in the job's order, and the rest of its wall time under the name `rest`."""
+    ordered = sorted(stages, key=lambda s: JOB_STAGES.index(s) if s in JOB_STAGES else len(JOB_STAGES))
+    return {**{s: stages[s] for s in ordered}, rest: round(seconds - sum(stages.values()), 3)}
