@@ -1,10 +1,11 @@
-"""The benchmark's report on a tiny mixture: every contender measured, ratios and files written."""
+"""The benchmark's reports on a tiny mixture: every contender measured, fresh processes and one warm session."""
 
 import json
 
 import pytest
 
-from kfed_spark.bench.benchmark import ONE_RESTART, benchmark, run_mllib, write_report
+from kfed_spark.bench.benchmark import ONE_RESTART, benchmark, run_mllib
+from kfed_spark.bench.processes import KFED, MLLIB, PASSES
 from kfed_spark.bench.synthetic import write_mixture
 
 
@@ -13,7 +14,6 @@ def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     data = tmp_path / "input"
     write_mixture(data, k=6, k_per_device=2, devices=30, points_per_device=40, dim=3, seed=2)
     report = benchmark(spark, str(data), tmp_path / "bench", k=6, k_per_device=2, seed=2, command="test", repeats=2)
-    write_report(report, tmp_path / "bench")
 
     names = [e.name for e in report.entries]
     assert names == [
@@ -35,12 +35,37 @@ def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     assert all(seconds > 0 for seconds in passes.values()) and len(passes) == 4
     fit, total, labels = run_mllib(spark, str(data), tmp_path / "capped", k=6, seed=2, limit=0.001)
     assert fit.lower_bound and total.lower_bound and fit.seconds == 0.001 and labels is None
-
-    saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
-    assert saved["rows"] == 1200 and len(saved["entries"]) == 6 and saved["repeats"] == 2
-    markdown = (tmp_path / "bench" / "benchmark.md").read_text()
+    markdown = report.markdown()
     assert "| k-FED on Spark, end to end |" in markdown and "MLlib fit time / k-FED end-to-end time" in markdown
     assert "| read -> Delta write |" in markdown
+
+
+@pytest.mark.integration  # five processes of their own, each with its JVM
+def test_the_fresh_process_benchmark_times_each_contender_as_its_own_process(tmp_path, capsys):
+    from kfed_spark.cli import main
+
+    data = tmp_path / "input"
+    write_mixture(data, k=6, k_per_device=2, devices=30, points_per_device=40, dim=3, seed=2)
+    assert main(["bench", "--data", str(data), "--out", str(tmp_path / "bench"), "--k", "6", "--k-per-device", "2",
+                 "--seed", "2", "--no-warm"]) == 0
+
+    saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
+    assert set(saved) == {"fresh"}
+    fresh = saved["fresh"]
+    assert fresh["rows"] == 1200 and [run["name"] for run in fresh["runs"]] == [KFED, MLLIB, PASSES]
+    kfed, mllib, passes = fresh["runs"]
+    assert list(kfed["stages"])[:3] == ["session", "validate", "claim"] and "publish" in kfed["stages"]
+    for run in fresh["runs"]:  # the stages and the rest add up to the wall time
+        assert run["seconds"] > 0 and abs(sum(run["stages"].values()) - run["seconds"]) < 0.01
+        assert run["peak_memory_mb"]["python driver"] > 0 and run["peak_memory_mb"][
+            "spark JVM (driver and executors in local mode)"] > 100
+    assert kfed["ari"] > 0.95 and mllib["ari"] > 0.5 and passes["cost"] is None
+    assert kfed["peak_memory_mb"]["largest python worker"] > 0  # the sampler sees the job's workers
+    assert set(fresh["ratios"]) == {"MLlib / k-FED, wall time", "k-FED / Spark's bare passes, wall time",
+                                    "k-FED cost / MLlib cost"}
+    assert "## Fresh processes" in capsys.readouterr().out
+    runs = (tmp_path / "bench" / "fresh" / "kfed" / "runs")
+    assert runs.is_dir()  # the setup run created the location the timed run wrote into
 
 
 def test_server_benchmark_times_both_seeding_rules_and_refinements(capsys):
