@@ -8,9 +8,9 @@ run id is what readers see, and after it the new one, whole.
 
 Who may publish: each run id has a publish number, kept by Delta itself as an idempotent-write
 marker on `runs` (txnAppId per run id, txnVersion = the number). An attempt claims the number after
-the highest one committed for its run id when it starts, and publishes with it. Of two overlapping
-attempts the first to publish wins; the other's publish is skipped by Delta (or fails, if both commit
-at the same moment) and it fails with a one-line conflict error. Nothing is lost: the loser's rows
+the highest one committed for its run id when it starts (`runs` as read while it validates), and
+publishes with it. Of two overlapping attempts the first to publish wins; the other's publish is
+skipped by Delta (or fails, if both commit at the same moment) and it fails with a one-line conflict error. Nothing is lost: the loser's rows
 were never visible.
 
 Every attempt has a `runs` row from its start: running, then succeeded or failed (with the error
@@ -133,6 +133,10 @@ class Ledger:
     def rows(self) -> list[dict[str, Any]]:
         return [row.asDict() for row in self.tables.read("runs").collect()]
 
+    def rows_if_any(self) -> list[dict[str, Any]]:
+        """rows(), or none where the location has no runs table yet."""
+        return self.rows() if self.tables.check_log("runs") else []
+
     def row_of(self, run_id: str, attempt_id: str) -> dict[str, Any] | None:
         found = self.tables.read("runs").filter(attempt_filter(run_id, attempt_id)).collect()
         return found[0].asDict() if found else None
@@ -145,10 +149,11 @@ class Ledger:
         else:
             self.tables.write_attempt_row(frame, row["run_id"], row["attempt_id"], fence)
 
-    def begin(self, row: dict[str, Any]) -> Attempt:
+    def begin(self, row: dict[str, Any], known: list[dict[str, Any]] | None = None) -> Attempt:
         """Tidy up, then record a new attempt of row['run_id'] as running. `row` holds the run's
-        settings; the attempt's own columns (status, publish number, host, pid) are set in it here."""
-        rows = self.tidy()
+        settings; the attempt's own columns (status, publish number, host, pid) are set in it here.
+        `known`: the runs rows as read at the attempt's start, if the caller has them (else read here)."""
+        rows = self.tidy(rows=known)
         run_id = row["run_id"]
         attempt = Attempt(run_id, row["attempt_id"], committed_publish_seqs(rows)[run_id] + 1)
         row.update(status=RUNNING, publish_seq=attempt.publish_seq, error=None, rows_removed=False,
@@ -157,25 +162,29 @@ class Ledger:
         log.info("run %s: attempt %s started (publish number %d)", run_id, attempt.attempt_id, attempt.publish_seq)
         return attempt
 
-    def publish(self, attempt: Attempt, row: dict[str, Any]) -> None:
+    def publish(self, attempt: Attempt, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The one commit that makes the attempt what readers see, or AttemptConflict if another
-        attempt of the run id took its publish number first."""
+        attempt of the run id took its publish number first. Returns the runs rows read back after it
+        (all of them: a plain scan of the small table is already warm where a filtered one is not)."""
         self.write({**row, "status": SUCCEEDED, "publish_seq": attempt.publish_seq}, fence=attempt.publish_seq)
-        landed = self.row_of(attempt.run_id, attempt.attempt_id)
+        rows = self.rows()
+        landed = next((r for r in rows if (r["run_id"], r["attempt_id"]) == (attempt.run_id, attempt.attempt_id)), None)
         if landed is None or landed["status"] != SUCCEEDED:
-            winner = self.published_attempt(attempt.run_id)
+            winner = published_attempts(rows).get(attempt.run_id)
             raise AttemptConflict(
                 f"attempt {attempt.attempt_id} of run {attempt.run_id!r} was not published: attempt {winner} of the "
                 "same run id was published while it ran"
             )
         log.info("run %s: published attempt %s", attempt.run_id, attempt.attempt_id)
+        return rows
 
-    def supersede_others(self, attempt: Attempt) -> None:
-        """After a publish: mark the run id's earlier succeeded attempts superseded. What readers see
-        is already decided (the highest publish number wins); this only keeps the record plain. Only
-        lower numbers: a later attempt may have been published since, if this process stalled."""
+    def supersede_others(self, attempt: Attempt, rows: list[dict[str, Any]]) -> None:
+        """After a publish: mark the run id's earlier succeeded attempts superseded, among `rows` (as
+        read back by the publish). What readers see is already decided (the highest publish number
+        wins); this only keeps the record plain. Only lower numbers: a later attempt may have been
+        published since, if this process stalled."""
         try:
-            for other in self.rows():
+            for other in rows:
                 if (other["run_id"] == attempt.run_id and other["status"] == SUCCEEDED
                         and other["publish_seq"] < attempt.publish_seq):
                     self.write({**other, "status": SUPERSEDED})
@@ -203,19 +212,17 @@ class Ledger:
         except Exception as exc:
             log.warning("could not record failed attempt %s: %s", row["attempt_id"], first_line(exc))
 
-    def published_attempt(self, run_id: str) -> str | None:
-        return published_attempts(self.rows()).get(run_id)
-
-    def tidy(self, abandon_after: timedelta | None = None) -> list[dict[str, Any]]:
+    def tidy(self, abandon_after: timedelta | None = None, rows: list[dict[str, Any]] | None = None
+             ) -> list[dict[str, Any]]:
         """Mark abandoned and superseded attempts and delete the rows of every finished unpublished one;
         returns the runs rows as they are afterwards. Best effort: a step that fails (another process
         tidying at the same time) is logged and left for the next tidy-up.
 
         With abandon_after, a running attempt started longer ago than that is abandoned too, wherever
         it runs: its publish number is taken first (a fenced commit), so that it can never publish
-        rows that are about to be deleted.
+        rows that are about to be deleted. `rows`: the runs rows to start from, if already read.
         """
-        rows = self.rows()
+        rows = self.rows() if rows is None else rows
         committed = committed_publish_seqs(rows)
         published = published_attempts(rows)
         now = datetime.now(timezone.utc)

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TypeVar
 
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
@@ -31,6 +32,7 @@ from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
 from kfed_spark.errors import InputError, KFedError, first_line
 
 log = logging.getLogger("kfed_spark")
+T = TypeVar("T")
 
 TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "runs")
 DATA_TABLES = TABLES[:-1]
@@ -371,20 +373,27 @@ class OutputTables:
             if not {f.name for f in added} <= set(self.read(name).schema.names):
                 raise
 
-    def prepare(self, schemas: dict[str, StructType], stats_columns: dict[str, list[str]] | None = None) -> None:
-        """Check every table of the location (intact log, same schema) and the folder (writable), then
-        add the columns an older version's tables lack and create the missing tables, empty,
-        partitioned by (run_id, attempt_id). A table named in stats_columns is created with Delta
-        statistics on those columns only (delta.dataSkippingStatsColumns); others on Delta's default
-        (the first 32 columns).
+    def check(self, schemas: dict[str, StructType]) -> dict[str, list[StructField] | None]:
+        """Check every table of the location (intact log, same schema) and the folder (writable);
+        nothing is written. Returns, per table, None if it is not there yet, else the nullable columns
+        this version added that it lacks (an older version wrote it). The tables' logs are read at once."""
+        present = _concurrently(self.check_log, list(schemas))
+        added = _concurrently(lambda name: self.check_schema(name, schemas[name]), [n for n in schemas if present[n]])
+        self.check_writable()
+        return {name: added.get(name) for name in schemas}
+
+    def prepare(self, schemas: dict[str, StructType], stats_columns: dict[str, list[str]] | None = None,
+                checked: dict[str, list[StructField] | None] | None = None) -> None:
+        """check() the location (unless `checked` holds its result), then add the columns an older
+        version's tables lack and create the missing tables, empty, partitioned by (run_id, attempt_id).
+        A table named in stats_columns is created with Delta statistics on those columns only
+        (delta.dataSkippingStatsColumns); others on Delta's default (the first 32 columns).
 
         Two first runs may create a table at once: Delta lets one commit version 0 and the other
         fails with a protocol or metadata conflict; the loser finds the table there and goes on.
         """
-        present = {name: self.check_log(name) for name in schemas}
-        added = {name: self.check_schema(name, schema) for name, schema in schemas.items() if present[name]}
-        self.check_writable()
-        for name, fields in added.items():
+        checked = self.check(schemas) if checked is None else checked
+        for name, fields in checked.items():
             if fields:
                 self._add_columns(name, fields)
 
@@ -397,7 +406,7 @@ class OutputTables:
                     raise
                 self.check_schema(name, schemas[name])
 
-        _concurrently(create, [name for name in schemas if not present[name]])
+        _concurrently(create, [name for name, fields in checked.items() if fields is None])
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -578,13 +587,12 @@ def partition_columns(name: str) -> tuple[str, ...]:
     return () if name in STREAM_TABLES else PARTITION_COLUMNS
 
 
-def _concurrently(commit: Callable[[str], object], names: list[str]) -> None:
-    """commit(name) for every table name (creation, append or delete), in threads: a Delta commit is mostly fixed overhead (about a
-    second in local mode), so commits to different tables overlap well. The first failure is raised."""
+def _concurrently(work: Callable[[str], T], names: list[str]) -> dict[str, T]:
+    """work(name) for every table name (a check, creation, append or delete), in threads: a Delta log
+    read or commit is mostly fixed overhead (about a second in local mode), so those of different tables
+    overlap well. Returns each name's result; the first failure is raised."""
     if len(names) <= 1:
-        for name in names:
-            commit(name)
-        return
+        return {name: work(name) for name in names}
     with ThreadPoolExecutor(max_workers=len(names)) as pool:
-        for future in [pool.submit(commit, name) for name in names]:
-            future.result()
+        futures = {name: pool.submit(work, name) for name in names}
+        return {name: future.result() for name, future in futures.items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -40,6 +41,7 @@ from kfed_spark.io import TABLES, OutputTables, absolute, read_input
 from kfed_spark.kernels import ServerClustering
 from kfed_spark.models import StoredModel, finished_model
 from kfed_spark.metrics import ari_of
+from kfed_spark.session import in_background
 from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
 
 log = logging.getLogger("kfed_spark")
@@ -103,53 +105,74 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
     started_at = datetime.now(timezone.utc)
     timer = timer or StageTimer()
     tables = OutputTables(spark, cfg.output)
+    ledger = Ledger(tables)
     with timer.stage("validate"):
         raw = read_input(spark, cfg.input)
+        device_col = cfg.input.device_col
+        # The location's checks and the device ids' overlap the input's checks; none writes. Their errors
+        # count once the input's checks have passed (a missing device column is the input's error).
+        location = in_background(spark, "checks", lambda: tables.check(output_schemas(raw.schema, device_col)))
+        devices = in_background(spark, "checks", check_device_ids, raw, device_col)
+        # The runs rows the tidy-up starts from: read on the core the input's checks leave idle, they
+        # also take the JVM's one-time cost of a first Delta scan (seconds in a fresh process) off the claim.
+        known_runs = in_background(spark, "checks", ledger.rows_if_any)
         applies = parent_run_id is not None or model_path is not None
         parent = finished_model(tables, parent_run_id, model_path) if applies else None
         parent_run_id = None if parent is None else parent.origin
         checked, dim = validated(raw, cfg, None if parent is None else parent.dim)
-        check_device_ids(checked, cfg.input.device_col)
+        devices.result()
+        checked_location = location.result()
         faults.point("checked")
-        schemas = output_schemas(raw.schema, cfg.input.device_col)
-        tables.prepare(schemas, stats_columns(cfg.input.device_col))
+        schemas = output_schemas(raw.schema, device_col)
+        tables.prepare(schemas, stats_columns(device_col), checked_location)
         tables.register()
         faults.point("created")
-    ledger = Ledger(tables)
     row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
     with timer.stage("claim"):
-        attempt = ledger.begin(row)
+        attempt = ledger.begin(row, known_runs.result())
+    writes: list[Future] = []
     try:
         faults.point("claimed")
         if parent is None:
-            clustering = fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer)
+            clustering = fit_checked(checked, dim, raw.schema[device_col].dataType, cfg, timer)
         else:
             clustering = apply_model(checked, dim, cfg, parent, timer)
         if cfg.on_bad_rows == "fail":
-            refuse_bad_rows(label_rows(clustering.checked, clustering.model, raw.schema, cfg.input.device_col, dim))
+            refuse_bad_rows(label_rows(clustering.checked, clustering.model, raw.schema, device_col, dim))
+        # The global and local centers are written while the labels are, the report while the other tables are.
+        writes.append(in_background(spark, "tables", write_centers, tables, attempt, schemas, clustering))
         with timer.stage("labels"):
             counted, labelled = write_labels(tables, attempt, cfg, raw.schema, clustering)
-        with timer.stage("other_tables"):
-            write_other_tables(tables, attempt, schemas, clustering, labelled, counted)
         result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
         row.update(result_columns(result))
         if cfg.report:
-            with timer.stage("report"):
-                tables.write_report(run_id, attempt.attempt_id, run_report(row, cfg, clustering, counted.evaluation))
+            writes.append(in_background(spark, "report", timed, timer, "report", write_run_report, tables, attempt,
+                                        row, cfg, clustering, counted.evaluation))
+        with timer.stage("other_tables"):
+            write_other_tables(tables, attempt, schemas, clustering, labelled, counted)
+            for write in writes:
+                write.result()
+        if cfg.report:
             faults.point("report")
         row.update(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
         faults.point("before_publish")
         with timer.stage("publish"):  # in the RunResult only: the runs row is what it commits
-            ledger.publish(attempt, row)
+            runs_now = ledger.publish(attempt, row)
     except BaseException as exc:
+        wait(writes)  # a commit landing after the failed attempt's rows are deleted would stay
         ledger.fail({**row, "timings": dict(timer.seconds)}, describe(exc) or f"{type(exc).__name__}: {exc}")
         raise
     faults.point("published")
     with timer.stage("supersede"):
-        ledger.supersede_others(attempt)
+        ledger.supersede_others(attempt, runs_now)
     log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, result.n_labelled, result.n_quarantined,
              result.cost)
     return result
+
+
+def timed(timer: StageTimer, stage: str, work, *args):
+    with timer.stage(stage):
+        return work(*args)
 
 
 def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructType]:
@@ -248,22 +271,30 @@ def write_labels(
     return counted, labelled
 
 
+def write_centers(tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], clustering: Clustering
+                  ) -> None:
+    """Append the attempt's local centers, each with the global cluster it joined, and its global centers."""
+    spark, local, server = clustering.checked.sparkSession, clustering.local, clustering.server
+    tag = attempt_columns(attempt)
+    local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
+    tables.append({
+        "local_centers": conform(spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2])
+        .select("*", *tag),
+        "centers": centers_frame(spark, server, local).select(*CENTERS_COLUMNS, *tag),
+    }, attempt.run_id, attempt.attempt_id)
+
+
 def write_other_tables(
     tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], clustering: Clustering,
     labelled: DataFrame, counted: LabelledRows,
 ) -> None:
-    """Append the attempt's local centers, global centers and device profiles, and its quarantined
+    """Append the attempt's device profiles, from what the labelling pass added up, and its quarantined
     rows if it has any."""
-    spark, local, server = labelled.sparkSession, clustering.local, clustering.server
     tag = attempt_columns(attempt)
-    local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
-    profiles = device_clusters_table(counted.evaluation, local.table.schema.field("device_id").type)
+    profiles = device_clusters_table(counted.evaluation, clustering.local.table.schema.field("device_id").type)
     frames = {
-        "local_centers": conform(spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2])
-        .select("*", *tag),
-        "centers": centers_frame(spark, server, local).select(*CENTERS_COLUMNS, *tag),
-        "device_clusters": conform(spark.createDataFrame(profiles), schemas["device_clusters"].fields[:-2])
-        .select("*", *tag),
+        "device_clusters": conform(labelled.sparkSession.createDataFrame(profiles),
+                                   schemas["device_clusters"].fields[:-2]).select("*", *tag),
     }
     if counted.n_quarantined:  # a second labelling pass, only for dirty inputs
         frames["quarantine"] = (
@@ -347,6 +378,11 @@ def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCen
     n_devices = np.bincount(cluster_device_pairs[0], minlength=k)
     rows = [(c, server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
     return spark.createDataFrame(rows, StructType(CENTERS_FIELDS))
+
+
+def write_run_report(tables: OutputTables, attempt: Attempt, summary: dict, cfg: KFedConfig, clustering: Clustering,
+                     evaluation: Evaluation) -> None:
+    tables.write_report(attempt.run_id, attempt.attempt_id, run_report(summary, cfg, clustering, evaluation))
 
 
 def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, evaluation: Evaluation) -> dict[str, bytes]:

@@ -83,23 +83,25 @@ def _distribution(values: np.ndarray) -> dict:
 
 
 def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
-    """PNG images: cluster sizes, 2-D projection of the centers, k_z histogram, clusters per device."""
-    import matplotlib
+    """PNG images: cluster sizes, 2-D projection of the centers, k_z histogram, clusters per device.
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    Figure objects, not pyplot: no global state, so a report can be drawn in a thread beside other work."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     images = {}
     k = len(facts.global_centers)
-    colors = plt.get_cmap("turbo")(np.linspace(0, 1, max(k, 2)))
+    colors = colormaps["turbo"](np.linspace(0, 1, max(k, 2)))
 
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    fig = Figure(figsize=(8, 3.2))
+    ax = fig.subplots()
     ax.bar(np.arange(k), report["cluster_sizes"], color=colors[:k], width=0.9)
     ax.set(xlabel="global cluster", ylabel="rows", title="Cluster sizes")
     images["cluster_sizes"] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    fig = Figure(figsize=(6.5, 5.5))
+    ax = fig.subplots()
     local_2d, global_2d = _projection(facts.local_centers, facts.local_counts, facts.global_centers)
     shown = np.linspace(0, len(local_2d) - 1, min(len(local_2d), PLOTTED_LOCAL_CENTERS)).astype(int)
     ax.scatter(local_2d[shown, 0], local_2d[shown, 1], s=8, alpha=0.5, c=colors[facts.assignment[shown]],
@@ -117,14 +119,14 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
     ):
         values = report[key]["devices_by_value"]
         positions = [int(v) for v in values]
-        fig, ax = plt.subplots(figsize=(6, 3.2))
+        fig = Figure(figsize=(6, 3.2))
+        ax = fig.subplots()
         bars = ax.bar(positions, list(values.values()), color="#3b6ea8", width=0.8)
         ax.bar_label(bars, fontsize=8)  # a handful of devices next to thousands is still readable
         ax.set(xlabel=label, ylabel="devices", title=f"Devices by {label}",
                xlim=(min(positions) - 1, max(positions) + 1))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         images[name] = _png(fig)
-    plt.close("all")
     return images
 
 

@@ -6,8 +6,11 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
@@ -16,6 +19,7 @@ from kfed_spark.config import SparkConfig
 from kfed_spark.errors import UnreachableError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DELTA_SQL_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
@@ -26,6 +30,9 @@ DEFAULT_SPARK_LOG_LEVEL = "WARN"
 SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
 """Settings a Spark Connect client may set on its session; the rest belong to the server."""
 CONSOLE_PROGRESS = "spark.ui.showConsoleProgress"
+SCHEDULER_MODE = {"spark.scheduler.mode": "FAIR"}
+"""Fair scheduling between pools: the small jobs that run beside a pass (in_background) get a core as soon
+as one of the pass's tasks ends, instead of waiting behind all of its tasks (FIFO, Spark's default)."""
 DEFAULT_CONNECT_PORT = 15002
 DELTA_JARS_ENV = "KFED_DELTA_JARS"
 """Comma-separated local Delta jars, for machines that cannot resolve packages from Maven."""
@@ -69,7 +76,7 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         # started by its absolute path (cron, systemd, a BashOperator) without activating it. PySpark
         # reads the workers' interpreter from this variable when it creates the SparkContext.
         os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
-    conf = {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **spark_cfg.conf}
+    conf = {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **SCHEDULER_MODE, **spark_cfg.conf}
     for key, value in {**conf, CONSOLE_PROGRESS: console_progress(conf)}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
@@ -88,6 +95,27 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     if resolve:
         remember_delta_jars(session)
     return _remembered(session)
+
+
+def in_background(spark: SparkSession, pool: str, work: Callable[..., T], *args) -> Future[T]:
+    """work(*args) started in a thread of its own, its Spark jobs in the fair-scheduler pool `pool` (see
+    SCHEDULER_MODE; over Spark Connect the server decides); the future's result() waits for it and
+    returns its value or raises its error."""
+
+    def pooled():
+        if not is_connect(spark):
+            spark.sparkContext.setLocalProperty("spark.scheduler.pool", pool)  # this thread's jobs only
+        return work(*args)
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kfed-{pool}")
+    try:
+        return executor.submit(pooled)
+    finally:
+        executor.shutdown(wait=False)  # the thread ends when the work does
+
+
+def is_connect(spark: SparkSession) -> bool:
+    return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 def console_progress(conf: dict) -> str:

@@ -256,18 +256,21 @@ def label_arrays(
     for arrays in batches:
         labellable, device_array, features = arrays[:3]
         candidates = np.flatnonzero(labellable.to_numpy(zero_copy_only=False))
-        x = feature_matrix(features.take(candidates), dim)
+        every_row = len(candidates) == len(labellable)  # the usual batch: no copies of its columns
+        x = feature_matrix(features if every_row else features.take(candidates), dim)
         finite = np.isfinite(x).all(axis=1)
+        if not finite.all():
+            x, every_row = x[finite], False
         rows = candidates[finite]
-        devices = device_array.take(rows).to_numpy(zero_copy_only=False)
-        local, cluster, sq_dist = model.label(devices, x[finite])
+        devices = (device_array if every_row else device_array.take(rows)).to_numpy(zero_copy_only=False)
+        local, cluster, sq_dist = model.label(devices, x)
         unlabelled = np.ones(len(labellable), dtype=bool)
         unlabelled[rows] = False
         non_finite = np.zeros(len(labellable), dtype=bool)
         non_finite[candidates[~finite]] = True
         if gathered is not None:
-            truth = None if evaluation.truth_col is None else arrays[3].take(rows)
-            gathered.add(devices, truth, x[finite], cluster, sq_dist)
+            truth = None if evaluation.truth_col is None else arrays[3] if every_row else arrays[3].take(rows)
+            gathered.add(devices, truth, x, cluster, sq_dist)
         if held is not None:
             yield _labels(held, None)
         held = [
@@ -282,10 +285,10 @@ def label_arrays(
 
 def _labels(fields: list[pa.Array], blob: bytes | None) -> pa.StructArray:
     """A batch's label fields with EVALUATION_COL, holding blob (if any) on its last row."""
-    blobs = [None] * len(fields[0])
-    if blob is not None:
-        blobs[-1] = blob
-    return pa.StructArray.from_arrays([*fields, pa.array(blobs, type=pa.binary())], names=list(LABEL_FIELDS))
+    n = len(fields[0])
+    blobs = pa.nulls(n, pa.binary()) if blob is None else pa.concat_arrays(
+        [pa.nulls(n - 1, pa.binary()), pa.array([blob], type=pa.binary())])
+    return pa.StructArray.from_arrays([*fields, blobs], names=list(LABEL_FIELDS))
 
 
 def _scatter(values: np.ndarray, rows: np.ndarray, unlabelled: np.ndarray, kind: pa.DataType,
