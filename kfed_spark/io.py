@@ -374,18 +374,18 @@ class OutputTables:
                 raise
 
     def check(self, schemas: dict[str, StructType]) -> dict[str, list[StructField] | None]:
-        """Check every table of the location (intact log, same schema) and the folder (writable);
-        nothing is written. Returns, per table, None if it is not there yet, else the nullable columns
-        this version added that it lacks (an older version wrote it). The tables' logs are read at once."""
+        """Check every table of the location (intact log, same schema), reading only. Returns, per table,
+        None if it is not there yet, else the nullable columns this version added that it lacks (an
+        older version wrote it). The tables' logs are read at once."""
         present = _concurrently(self.check_log, list(schemas))
         added = _concurrently(lambda name: self.check_schema(name, schemas[name]), [n for n in schemas if present[n]])
-        self.check_writable()
         return {name: added.get(name) for name in schemas}
 
     def prepare(self, schemas: dict[str, StructType], stats_columns: dict[str, list[str]] | None = None,
                 checked: dict[str, list[StructField] | None] | None = None) -> None:
-        """check() the location (unless `checked` holds its result), then add the columns an older
-        version's tables lack and create the missing tables, empty, partitioned by (run_id, attempt_id).
+        """check() the location (unless `checked` holds its result) and that its folder is writable (the
+        first write: a probe file), then add the columns an older version's tables lack and create the
+        missing tables, empty, partitioned by (run_id, attempt_id).
         A table named in stats_columns is created with Delta statistics on those columns only
         (delta.dataSkippingStatsColumns); others on Delta's default (the first 32 columns).
 
@@ -393,6 +393,7 @@ class OutputTables:
         fails with a protocol or metadata conflict; the loser finds the table there and goes on.
         """
         checked = self.check(schemas) if checked is None else checked
+        self.check_writable()
         for name, fields in checked.items():
             if fields:
                 self._add_columns(name, fields)
