@@ -111,11 +111,11 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         device_col = cfg.input.device_col
         # The location's checks and the device ids' overlap the input's checks; none writes. Their errors
         # count once the input's checks have passed (a missing device column is the input's error).
-        location = in_background(spark, "checks", lambda: tables.check(output_schemas(raw.schema, device_col)))
-        devices = in_background(spark, "checks", check_device_ids, raw, device_col)
+        location = in_background(lambda: tables.check(output_schemas(raw.schema, device_col)))
+        devices = in_background(check_device_ids, raw, device_col)
         # The runs rows the tidy-up starts from: read on the core the input's checks leave idle, they
         # also take the JVM's one-time cost of a first Delta scan (seconds in a fresh process) off the claim.
-        known_runs = in_background(spark, "checks", ledger.rows_if_any)
+        known_runs = in_background(ledger.rows_if_any)
         applies = parent_run_id is not None or model_path is not None
         parent = finished_model(tables, parent_run_id, model_path) if applies else None
         parent_run_id = None if parent is None else parent.origin
@@ -140,13 +140,13 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         if cfg.on_bad_rows == "fail":
             refuse_bad_rows(label_rows(clustering.checked, clustering.model, raw.schema, device_col, dim))
         # The global and local centers are written while the labels are, the report while the other tables are.
-        writes.append(in_background(spark, "tables", write_centers, tables, attempt, schemas, clustering))
+        writes.append(in_background(write_centers, tables, attempt, schemas, clustering))
         with timer.stage("labels"):
             counted, labelled = write_labels(tables, attempt, cfg, raw.schema, clustering)
         result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
         row.update(result_columns(result))
         if cfg.report:
-            writes.append(in_background(spark, "report", timed, timer, "report", write_run_report, tables, attempt,
+            writes.append(in_background(timed, timer, "report", write_run_report, tables, attempt,
                                         row, cfg, clustering, counted.evaluation))
         with timer.stage("other_tables"):
             write_other_tables(tables, attempt, schemas, clustering, labelled, counted)

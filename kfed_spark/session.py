@@ -30,9 +30,11 @@ DEFAULT_SPARK_LOG_LEVEL = "WARN"
 SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
 """Settings a Spark Connect client may set on its session; the rest belong to the server."""
 CONSOLE_PROGRESS = "spark.ui.showConsoleProgress"
-SCHEDULER_MODE = {"spark.scheduler.mode": "FAIR"}
-"""Fair scheduling between pools: the small jobs that run beside a pass (in_background) get a core as soon
-as one of the pass's tasks ends, instead of waiting behind all of its tasks (FIFO, Spark's default)."""
+ONE_BLAS_THREAD_PER_WORKER = {f"spark.executorEnv.{name}": "1" for name in
+                              ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+"""Each Python worker runs one task on one core: its numpy kernels use one BLAS thread (a config that
+sets these keys, for spark.task.cpus > 1, wins). The driver, where the server step runs, is left to
+use its cores."""
 DEFAULT_CONNECT_PORT = 15002
 DELTA_JARS_ENV = "KFED_DELTA_JARS"
 """Comma-separated local Delta jars, for machines that cannot resolve packages from Maven."""
@@ -76,7 +78,8 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         # started by its absolute path (cron, systemd, a BashOperator) without activating it. PySpark
         # reads the workers' interpreter from this variable when it creates the SparkContext.
         os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
-    conf = {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **SCHEDULER_MODE, **spark_cfg.conf}
+    conf = {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **ONE_BLAS_THREAD_PER_WORKER,
+            **spark_cfg.conf}
     for key, value in {**conf, CONSOLE_PROGRESS: console_progress(conf)}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
@@ -97,25 +100,15 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     return _remembered(session)
 
 
-def in_background(spark: SparkSession, pool: str, work: Callable[..., T], *args) -> Future[T]:
-    """work(*args) started in a thread of its own, its Spark jobs in the fair-scheduler pool `pool` (see
-    SCHEDULER_MODE; over Spark Connect the server decides); the future's result() waits for it and
-    returns its value or raises its error."""
-
-    def pooled():
-        if not is_connect(spark):
-            spark.sparkContext.setLocalProperty("spark.scheduler.pool", pool)  # this thread's jobs only
-        return work(*args)
-
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kfed-{pool}")
+def in_background(work: Callable[..., T], *args) -> Future[T]:
+    """work(*args) started in a thread of its own, beside the caller's Spark work (a session takes
+    jobs from several threads); the future's result() waits for it and returns its value or raises
+    its error."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfed-background")
     try:
-        return executor.submit(pooled)
+        return executor.submit(work, *args)
     finally:
         executor.shutdown(wait=False)  # the thread ends when the work does
-
-
-def is_connect(spark: SparkSession) -> bool:
-    return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 def console_progress(conf: dict) -> str:

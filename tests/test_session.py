@@ -1,4 +1,4 @@
-"""Building the session: the settings build_session derives (no JVM is started here)."""
+"""Building the session: the settings build_session derives, and what the Python workers get."""
 
 import os
 import pty
@@ -23,3 +23,9 @@ def test_the_progress_bar_is_on_only_where_stderr_is_a_terminal(tmp_path):
     finally:
         os.close(terminal)
         os.close(terminal_end)
+
+
+def test_python_workers_get_one_blas_thread(spark):
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    seen = spark.sparkContext.parallelize([0], 1).map(lambda _: {n: os.environ.get(n) for n in names}).collect()
+    assert seen == [{name: "1" for name in names}]
