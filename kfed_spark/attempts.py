@@ -10,8 +10,8 @@ Who may publish: each run id has a publish number, kept by Delta itself as an id
 marker on `runs` (txnAppId per run id, txnVersion = the number). An attempt claims the number after
 the highest one committed for its run id when it starts (`runs` as read while it validates), and
 publishes with it. Of two overlapping attempts the first to publish wins; the other's publish is
-skipped by Delta (or fails, if both commit at the same moment) and it fails with a one-line conflict error. Nothing is lost: the loser's rows
-were never visible.
+skipped by Delta (or fails, if both commit at the same moment) and it fails with a one-line conflict
+error. Nothing is lost: the loser's rows were never visible.
 
 Every attempt has a `runs` row from its start: running, then succeeded or failed (with the error
 and the stage timings so far). The next run, or `kfed-spark maintain`, tidies up: an attempt still

@@ -1,8 +1,10 @@
 """The k-FED job's stages: check the input, fit or apply a model, write a run, publish it.
 
-run() is the job: validate --> fit (kfed_spark.fitting) --> labels (one pass over the input, which
-also gathers the evaluation and the report's sample) --> small tables --> report --> publish (one
-commit of the attempt's runs row; kfed_spark.attempts). Delta I/O is in kfed_spark.io.
+run() is the job: validate (the location's checks and the runs rows read beside the input's) --> claim
+--> fit (kfed_spark.fitting) --> labels (one pass over the input, which also gathers the evaluation and
+the report's sample; the centers are written beside it) --> device profiles and quarantine (the report
+drawn beside them) --> publish (one commit of the attempt's runs row; kfed_spark.attempts). Delta I/O
+is in kfed_spark.io.
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         # count once the input's checks have passed (a missing device column is the input's error).
         location = in_background(lambda: tables.check(output_schemas(raw.schema, device_col)))
         devices = in_background(check_device_ids, raw, device_col)
-        # The runs rows the tidy-up starts from: read on the core the input's checks leave idle, they
-        # also take the JVM's one-time cost of a first Delta scan (seconds in a fresh process) off the claim.
+        # The runs rows the tidy-up starts from, read beside the input's checks (the first Delta scan
+        # in a fresh JVM costs seconds, wherever it runs).
         known_runs = in_background(ledger.rows_if_any)
         applies = parent_run_id is not None or model_path is not None
         parent = finished_model(tables, parent_run_id, model_path) if applies else None
