@@ -8,12 +8,11 @@ headline: the machine is shared and its absolute speed varies.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +149,40 @@ def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed:
 SHAPE_OF_KFED = "the two passes k-FED makes, together"
 
 
+SHUFFLE_PASS = "read -> shuffle by device -> Python function (returns nothing)"
+UDF_PASS = "read -> Python UDF over (device, features), one int per row -> Delta write"
+
+
+def shuffle_by_device(rows) -> None:
+    """k-FED's first pass with no local step in it: the rows shuffled by device through a Python function
+    that returns nothing."""
+    from pyspark.sql import functions as F
+
+    partitions = int(rows.sparkSession.conf.get("spark.sql.shuffle.partitions"))
+    (rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
+     .mapInArrow(lambda batches: (b.slice(0, 0) for b in batches), rows.schema).agg(F.count("*")).collect())
+
+
+def with_one_int_per_row(rows):
+    """k-FED's labelling pass with no labelling in it: an Arrow UDF over (device, features) that gives
+    every row a cluster_id of 0."""
+    from pyspark.sql.functions import arrow_udf
+
+    @arrow_udf("int")
+    def one_int_per_row(devices: pa.Array, features: pa.Array) -> pa.Array:
+        return pa.array(np.zeros(len(devices), dtype=np.int32))
+
+    return rows.withColumn("cluster_id", one_int_per_row("device_id", "features"))
+
+
+def labels_like_stats() -> dict[str, str]:
+    """The table property that keeps Delta statistics on the columns the labels table keeps them on."""
+    from kfed_spark.io import STATS_COLUMNS_PROPERTY
+    from kfed_spark.job import stats_columns
+
+    return {STATS_COLUMNS_PROPERTY: ",".join(stats_columns("device_id")["labels"][:1] + ["cluster_id"])}
+
+
 def time_spark_passes(spark, data: str, out: Path) -> dict[str, float]:
     """Seconds of Spark passes that do no clustering: what any job of k-FED's shape pays on Spark.
 
@@ -158,34 +191,16 @@ def time_spark_passes(spark, data: str, out: Path) -> dict[str, float]:
     into a Delta write (labels; the Delta table keeps statistics on the columns the labels table
     keeps them on, job.stats_columns).
     """
-    from pyspark.sql import functions as F
-    from pyspark.sql.functions import arrow_udf
-
-    from kfed_spark.io import STATS_COLUMNS_PROPERTY
-    from kfed_spark.job import stats_columns
-
     rows = spark.read.parquet(data)
-    partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
-
-    @arrow_udf("int")
-    def one_int_per_row(devices: pa.Array, features: pa.Array) -> pa.Array:
-        return pa.array(np.zeros(len(devices), dtype=np.int32))
-
-    labelled = rows.withColumn("cluster_id", one_int_per_row("device_id", "features"))
-    stats = {STATS_COLUMNS_PROPERTY: ",".join(stats_columns("device_id")["labels"][:1] + ["cluster_id"])}
+    labelled = with_one_int_per_row(rows)
     new_delta_table(spark, out / "pass_copy", rows.schema)
-    new_delta_table(spark, out / "pass_python", labelled.schema, stats)
+    new_delta_table(spark, out / "pass_python", labelled.schema, labels_like_stats())
     passes = {}
     _, passes["read -> Delta write"] = _timed(
         lambda: rows.write.format("delta").mode("append").save(str(out / "pass_copy")))
-    _, shuffled = _timed(
-        lambda: rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
-        .mapInArrow(lambda batches: (b.slice(0, 0) for b in batches), rows.schema).agg(F.count("*")).collect()
-    )
-    passes["read -> shuffle by device -> Python function (returns nothing)"] = shuffled
-    _, labels = _timed(lambda: labelled.write.format("delta").mode("append").save(str(out / "pass_python")))
-    passes["read -> Python UDF over (device, features), one int per row -> Delta write"] = labels
-    passes[SHAPE_OF_KFED] = shuffled + labels
+    _, passes[SHUFFLE_PASS] = _timed(lambda: shuffle_by_device(rows))
+    _, passes[UDF_PASS] = _timed(lambda: labelled.write.format("delta").mode("append").save(str(out / "pass_python")))
+    passes[SHAPE_OF_KFED] = passes[SHUFFLE_PASS] + passes[UDF_PASS]
     return passes
 
 

@@ -13,8 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
+from kfed_spark.bench.benchmark import (
+    SHUFFLE_PASS,
+    UDF_PASS,
+    bench_session,
+    labels_like_stats,
+    new_delta_table,
+    shuffle_by_device,
+    with_one_int_per_row,
+)
 
 PASSES_TABLE = "passes_labels"
 """The Delta table (under --out) the bare passes' second pass appends to; setup-passes creates it."""
@@ -49,40 +56,21 @@ def mllib(spark, data: str, out: Path, k: int, seed: int, stages: Stages) -> dic
 
 
 def passes(spark, data: str, out: Path, stages: Stages) -> dict:
-    """Spark's passes of k-FED's shape with no clustering in them: read -> shuffle by device -> a Python
-    function that returns nothing; read -> an Arrow UDF over (device, features), one int per row ->
-    Delta append (to a table with statistics on the columns the labels table keeps them on)."""
-    from pyspark.sql import functions as F
-
+    """Spark's passes of k-FED's shape with no clustering in them (those the warm benchmark times): read ->
+    shuffle by device -> a Python function that returns nothing; read -> an Arrow UDF over (device,
+    features), one int per row -> Delta append (to a table with statistics where the labels keep them)."""
     rows = spark.read.parquet(data)
-    partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
-    (rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
-     .mapInArrow(lambda batches: (b.slice(0, 0) for b in batches), rows.schema).agg(F.count("*")).collect())
-    stages.done("read -> shuffle by device -> Python function (returns nothing)")
-    labelled(rows).write.format("delta").mode("append").save(str(out / PASSES_TABLE))
-    stages.done("read -> Python UDF over (device, features), one int per row -> Delta write")
+    shuffle_by_device(rows)
+    stages.done(SHUFFLE_PASS)
+    with_one_int_per_row(rows).write.format("delta").mode("append").save(str(out / PASSES_TABLE))
+    stages.done(UDF_PASS)
     return {}
-
-
-def labelled(rows):
-    from pyspark.sql.functions import arrow_udf
-
-    @arrow_udf("int")
-    def one_int_per_row(devices: pa.Array, features: pa.Array) -> pa.Array:
-        return pa.array(np.zeros(len(devices), dtype=np.int32))
-
-    return rows.withColumn("cluster_id", one_int_per_row("device_id", "features"))
 
 
 def setup_passes(spark, data: str, out: Path, stages: Stages) -> dict:
     """The bare passes' Delta table, empty, as a location that exists before a scheduled run."""
-    from kfed_spark.bench.benchmark import new_delta_table
-    from kfed_spark.io import STATS_COLUMNS_PROPERTY
-    from kfed_spark.job import stats_columns
-
-    schema = labelled(spark.read.parquet(data)).schema
-    new_delta_table(spark, out / PASSES_TABLE, schema,
-                    {STATS_COLUMNS_PROPERTY: ",".join(stats_columns("device_id")["labels"][:1] + ["cluster_id"])})
+    schema = with_one_int_per_row(spark.read.parquet(data)).schema
+    new_delta_table(spark, out / PASSES_TABLE, schema, labels_like_stats())
     stages.done("create table")
     return {}
 
@@ -98,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--driver-memory", default="2g")
     args = parser.parse_args(argv)
     stages = Stages()
-    from kfed_spark.bench.benchmark import bench_session
-
     spark = bench_session(f"kfed-bench-{args.contender}", args.driver_memory, args.master)
     stages.done("session")
     out = Path(args.out)

@@ -11,7 +11,6 @@ stages it reports and its process tree's peak resident memory.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -182,7 +181,7 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
     truth_by_row = np.empty(len(table), dtype=np.int64)
     truth_by_row[table.column("row_id").to_numpy()] = table.column("true_cluster").to_numpy()
     device_ids = np.unique(table.column("device_id").to_numpy())
-    dim = len(pq.read_table(data, columns=["features"]).slice(0, 1).column("features")[0])
+    dim = len(ds.dataset(data, format="parquet").head(1, columns=["features"]).column("features")[0])
 
     location = out / "kfed"
     shutil.rmtree(location, ignore_errors=True)
@@ -209,7 +208,7 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
     seconds, stdout, peaks = timed_process(
         "k-FED", [*kfed, "run", "--config", str(configs["timed"]), "--set", f"run_id={run_id}", "--json"],
         logs / "kfed.log")
-    result = json.loads(stdout.strip().splitlines()[-1])
+    result = last_json_line(stdout)
     stages = with_rest(result["timings"], seconds, "process start, imports and exit")
     labels = location / "labels" / f"run_id={run_id}" / f"attempt_id={result['attempt_id']}"
     runs.append(ProcessRun(KFED, seconds, stages, peaks, result["cost"], ari_against(truth_by_row, labels)))
@@ -217,13 +216,13 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
     shutil.rmtree(out / MLLIB_LABELS, ignore_errors=True)
     read_into_file_cache(data)
     seconds, stdout, peaks = timed_process("MLlib", [*contender, "mllib", *common], logs / "mllib.log")
-    figures = json.loads(stdout.strip().splitlines()[-1])
+    figures = last_json_line(stdout)
     runs.append(ProcessRun(MLLIB, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"),
                            peaks, figures["cost"], ari_against(truth_by_row, out / MLLIB_LABELS)))
 
     read_into_file_cache(data)
     seconds, stdout, peaks = timed_process("bare passes", [*contender, "passes", *common], logs / "passes.log")
-    figures = json.loads(stdout.strip().splitlines()[-1])
+    figures = last_json_line(stdout)
     runs.append(ProcessRun(PASSES, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"),
                            peaks))
 
@@ -243,6 +242,11 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
 JOB_STAGES = ("session", "validate", "claim", "local_step", "server_step", "labels", "other_tables", "report",
               "publish", "supersede")
 """The job's stages in the order it runs them (its JSON lists them sorted by name)."""
+
+
+def last_json_line(stdout: str) -> dict:
+    """What a contender printed last: its figures as one JSON object."""
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def with_rest(stages: dict[str, float], seconds: float, rest: str) -> dict[str, float]:
