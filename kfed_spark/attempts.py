@@ -43,7 +43,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from kfed_spark.errors import first_line
+from kfed_spark.errors import ConfigError, first_line
 from kfed_spark.io import AttemptConflict, OutputTables, attempt_filter
 
 log = logging.getLogger("kfed_spark")
@@ -87,6 +87,10 @@ RUNS_SCHEMA = StructType(
         # Added after the first release: null in the rows of older versions (io.OutputTables.prepare adds them).
         StructField("local_restarts", IntegerType(), True),
         StructField("robust_min_size", DoubleType(), True),
+        StructField("identity_mode", StringType(), True),
+        StructField("reference_run_id", StringType(), True),
+        StructField("reference_attempt_id", StringType(), True),
+        StructField("highest_cluster_id", IntegerType(), True),
     ]
 )
 
@@ -143,7 +147,8 @@ class Ledger:
 
     def write(self, row: dict[str, Any], fence: int | None = None, new: bool = False) -> None:
         """Replace the attempt's row (fenced: see OutputTables.write_attempt_row), or add it if `new`."""
-        frame = self.spark.createDataFrame([tuple(row[f.name] for f in RUNS_SCHEMA.fields)], RUNS_SCHEMA)
+        # .get: a row an older version wrote, read before prepare added this version's columns, lacks them
+        frame = self.spark.createDataFrame([tuple(row.get(f.name) for f in RUNS_SCHEMA.fields)], RUNS_SCHEMA)
         if new:
             self.tables.add_attempt_row(frame, row["run_id"], row["attempt_id"])
         else:
@@ -284,6 +289,31 @@ def published_attempts(rows: list[dict[str, Any]]) -> dict[str, str]:
         if row["status"] == SUCCEEDED:
             best[row["run_id"]] = max(best.get(row["run_id"], (-1, "")), (row["publish_seq"], row["attempt_id"]))
     return {run_id: attempt for run_id, (_, attempt) in best.items()}
+
+
+def reference_attempt(rows: list[dict[str, Any]], run_id: str, started_at: datetime, named: str | None = None
+                      ) -> dict[str, Any] | None:
+    """The runs row of the published attempt whose clusters a new attempt of run_id matches (identity):
+    the named run id's, or else the newest published run of another run id that finished before
+    started_at (None if there is none). A named run id that is not published is a ConfigError."""
+    published = published_attempts(rows)
+    chosen = [r for r in rows if published.get(r["run_id"]) == r["attempt_id"]]
+    if named is not None:
+        found = [r for r in chosen if r["run_id"] == named]
+        if not found:
+            raise ConfigError(f"identity.reference {named!r} is not a published run of this output location")
+        return found[0]
+    earlier = [r for r in chosen if r["run_id"] != run_id and _utc(r["finished_at"]) < started_at]
+    return max(earlier, key=lambda r: (_utc(r["finished_at"]), r["run_id"]), default=None)
+
+
+def highest_cluster_id(rows: list[dict[str, Any]], run_id: str) -> int:
+    """The highest cluster id that any attempt of another run id ever published (-1 if none): a row
+    of an older version, without highest_cluster_id, used 0..k-1. The run id's own attempts do not
+    count, so that a re-run gives its new clusters the same ids again."""
+    ever_published = [r for r in rows if r["status"] in (SUCCEEDED, SUPERSEDED) and r["run_id"] != run_id]
+    return max((r["k"] - 1 if r.get("highest_cluster_id") is None else r["highest_cluster_id"]
+                for r in ever_published), default=-1)
 
 
 def _utc(moment: datetime) -> datetime:

@@ -57,6 +57,24 @@ class StreamConfig:
 
 
 @dataclass(frozen=True)
+class IdentityConfig:
+    """How a run's cluster ids relate to earlier runs' in the same location (kfed_spark.identity)."""
+
+    mode: str = "stable"
+    """stable: the clusters are matched to the reference run's and keep their ids, new ones take ids never
+    used before; fresh: ids 0..k-1 in the server step's order, nothing matched."""
+    reference: str | None = None
+    """The run id whose published clusters to match (a backfill names one); by default the newest published
+    run of another run id that finished before this attempt started."""
+    warm_start: bool = False
+    """Seed the server step with the reference run's centers (the seeding rule adds any more that k asks
+    for), then refine as usual: on data that changed little, the centers stay where they were."""
+
+
+IDENTITY_MODES = ("stable", "fresh")
+
+
+@dataclass(frozen=True)
 class SparkConfig:
     master: str | None = None
     remote: str | None = None
@@ -73,6 +91,7 @@ class KFedConfig(AlgorithmParams):
     output: OutputConfig = field(default_factory=OutputConfig)
     spark: SparkConfig = field(default_factory=SparkConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
+    identity: IdentityConfig = field(default_factory=IdentityConfig)
     run_id: str | None = None
     local_partitions: int | None = None
     on_bad_rows: str = "quarantine"
@@ -80,7 +99,8 @@ class KFedConfig(AlgorithmParams):
     """Write report.json and report.html under <output.path>/reports/<run_id>/<attempt_id>/."""
 
 
-SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig, "stream": StreamConfig}
+SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig, "stream": StreamConfig,
+            "identity": IdentityConfig}
 MAPPING_KEYS = ("spark.conf", "input.options")
 """Config keys whose values are free-form mappings with dotted keys of their own."""
 
@@ -137,6 +157,9 @@ def build_config(raw: dict[str, Any]) -> KFedConfig:
             raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(_field_names(KFedConfig)))}")
     if isinstance(values.get("run_id"), (date, datetime)):  # YAML reads `run_id: 2026-11-29` as a date
         values["run_id"] = values["run_id"].isoformat()
+    identity = values.get("identity")
+    if identity is not None and isinstance(identity.reference, (date, datetime)):
+        values["identity"] = dataclasses.replace(identity, reference=identity.reference.isoformat())
     cfg = KFedConfig(**values)
     validate(cfg)
     return cfg
@@ -178,11 +201,19 @@ def validate_run(cfg: KFedConfig) -> None:
         raise ConfigError(f"report must be true or false, got {cfg.report!r}")
     if cfg.on_bad_rows not in ("quarantine", "fail"):
         raise ConfigError(f"on_bad_rows must be 'quarantine' or 'fail', got {cfg.on_bad_rows!r}")
-    if cfg.run_id is not None and not (isinstance(cfg.run_id, str) and RUN_ID_PATTERN.match(cfg.run_id)):
-        raise ConfigError(
-            f"run_id {cfg.run_id!r} is not allowed: use 1-128 letters, digits, '_', '.', ':' or '-', "
-            "starting with a letter or digit"
-        )
+    for key, run_id in (("run_id", cfg.run_id), ("identity.reference", cfg.identity.reference)):
+        if run_id is not None and not (isinstance(run_id, str) and RUN_ID_PATTERN.match(run_id)):
+            raise ConfigError(
+                f"{key} {run_id!r} is not allowed: use 1-128 letters, digits, '_', '.', ':' or '-', "
+                "starting with a letter or digit"
+            )
+    identity = cfg.identity
+    if identity.mode not in IDENTITY_MODES:
+        raise ConfigError(f"identity.mode must be one of {', '.join(IDENTITY_MODES)}, got {identity.mode!r}")
+    if not isinstance(identity.warm_start, bool):
+        raise ConfigError(f"identity.warm_start must be true or false, got {identity.warm_start!r}")
+    if identity.mode == "fresh" and (identity.reference is not None or identity.warm_start):
+        raise ConfigError("identity.reference and identity.warm_start need identity.mode: stable")
 
 
 def validate_io(cfg: KFedConfig) -> None:

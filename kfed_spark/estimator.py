@@ -23,9 +23,10 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 from pyspark.sql import DataFrame
 
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
-from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, REASON_COL, LocalCenters, fit, labelled_plan
+from kfed_spark.fitting import REASON_COL, LocalCenters, fit, labelled_plan
+from kfed_spark.identity import match_clusters
 from kfed_spark.io import OutputTables
-from kfed_spark.models import SAVED_LOCAL_CENTERS, read_saved, stored_model
+from kfed_spark.models import SAVED_LOCAL_CENTERS, StoredModel, read_saved, saved_cluster_ids, stored_model
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import SQ_DIST_COL
 
@@ -50,6 +51,8 @@ COLUMN_PARAMS = {
     "featuresCol": ("features", "features column: an array of numbers or a Spark ML vector."),
     "predictionCol": ("prediction", "output column of the global cluster."),
     "localPredictionCol": ("local_prediction", "output column of the local cluster within the device."),
+    "distanceCol": ("", "output column of the row's distance to its global center; empty: not added."),
+    "marginCol": ("", "output column of the row's margin, (d_other - d) / (d_other + d); empty: not added."),
 }
 """Param name -> (default, meaning) of the columns the estimator reads and writes."""
 
@@ -96,7 +99,17 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
 
     def __init__(self, **params):
         super().__init__()
+        self._reference: KFedModel | None = None
+        self._warm_start = False
         self.setParams(**params)
+
+    def setReferenceModel(self, model: "KFedModel | None", warmStart: bool = False) -> "KFed":
+        """Fit with ids matched to an earlier model's (as `identity.mode: stable` matches a run to its
+        reference run: kfed_spark.identity), new clusters taking ids above the model's; with warmStart,
+        the server step is seeded with its centers. Not a Param: like MLlib's initialModel proposals, a
+        model is not saved with the estimator. None: ids 0..k-1 again."""
+        self._reference, self._warm_start = model, warmStart
+        return self
 
     def setParams(self, **params) -> "KFed":
         unknown = sorted(set(params) - set(_ALL_PARAMS))
@@ -105,8 +118,14 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         return self._set(**params)
 
     def _fit(self, dataset: DataFrame) -> "KFedModel":
-        clustering = fit(dataset, self._config())
-        model = KFedModel()._with_state(clustering.local.table, clustering.server.assignment, clustering.server.centers)
+        reference = None if self._reference is None else self._reference._stored
+        clustering = fit(dataset, self._config(), initial=reference.centers if reference and self._warm_start else None)
+        if reference is not None:
+            matching = match_clusters(clustering.clusters(), reference.clusters(), int(reference.cluster_ids.max()) + 1)
+            clustering = clustering.with_ids(matching.ids)
+        local = clustering.local.table.append_column(
+            "cluster_id", pa.array(clustering.cluster_ids[clustering.server.assignment], type=pa.int32()))
+        model = KFedModel()._with_state(StoredModel.of(clustering.server.centers, clustering.cluster_ids, local, "fit"))
         return self._copyValues(model)
 
     def write(self) -> MLWriter:
@@ -132,13 +151,17 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
 
     def __init__(self):
         super().__init__()
-        self._local: pa.Table | None = None
-        self._centers: np.ndarray | None = None
+        self._stored: StoredModel | None = None
 
-    def _with_state(self, local: pa.Table, assignment: np.ndarray, centers: np.ndarray) -> "KFedModel":
-        self._local = local.append_column("cluster_id", pa.array(assignment, type=pa.int32()))
-        self._centers = np.asarray(centers, dtype=np.float64)
+    def _with_state(self, stored: StoredModel) -> "KFedModel":
+        self._stored = stored
         return self
+
+    @property
+    def _local(self) -> pa.Table:
+        """The local centers with the id of the global cluster each joined."""
+        stored = self._stored
+        return stored.local.append_column("cluster_id", pa.array(stored.cluster_ids[stored.assignment], type=pa.int32()))
 
     @classmethod
     def from_run(cls, output_path: str, run_id: str | None = None) -> "KFedModel":
@@ -147,7 +170,7 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         from pyspark.sql import SparkSession
 
         stored = stored_model(OutputTables(SparkSession.active(), OutputConfig(path=output_path)), run_id)
-        model = cls()._with_state(stored.local, stored.assignment, stored.centers)
+        model = cls()._with_state(stored)
         settings = {name: stored.config[spec.name] for name, spec in ALGORITHM_PARAMS.items() if spec.name in stored.config}
         columns = {"deviceCol": stored.config["input"]["device_col"], "featuresCol": stored.config["input"]["features_col"]}
         return model._set(**settings, **{name: value for name, value in columns.items() if isinstance(value, str)})
@@ -158,9 +181,21 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
     def setLocalPredictionCol(self, value: str) -> "KFedModel":
         return self._set(localPredictionCol=value)
 
+    def setDistanceCol(self, value: str) -> "KFedModel":
+        return self._set(distanceCol=value)
+
+    def setMarginCol(self, value: str) -> "KFedModel":
+        return self._set(marginCol=value)
+
     def clusterCenters(self) -> list[np.ndarray]:
-        """The k global centers, as MLlib's KMeansModel gives them."""
-        return [center.copy() for center in self._centers]
+        """The k global centers, as MLlib's KMeansModel gives them, in the order of clusterIds."""
+        return [center.copy() for center in self._stored.centers]
+
+    @property
+    def clusterIds(self) -> list[int]:
+        """The id of each global center: what predictionCol holds (0..k-1 for a model fitted here; a run's
+        stable ids for a model from_run)."""
+        return self._stored.cluster_ids.tolist()
 
     @property
     def localCenters(self) -> DataFrame:
@@ -171,30 +206,26 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
 
     @property
     def summary(self) -> KFedSummary:
-        local = self._local_centers()
-        clusters = self._local.column("cluster_id").to_numpy()
-        gap = local.centers - self._centers[clusters]
-        sse = self._local.column("sse").to_numpy()
+        """clusterSizes in the order of clusterIds."""
+        stored = self._stored
+        local = LocalCenters.from_arrow(stored.local, stored.dim)
+        gap = local.centers - stored.centers[stored.assignment]
+        sse = stored.local.column("sse").to_numpy()
         cost = float(np.sum(sse) + np.sum(local.counts * np.einsum("ij,ij->i", gap, gap)))
-        sizes = np.bincount(clusters, weights=local.counts, minlength=len(self._centers)).astype(int)
+        sizes = np.bincount(stored.assignment, weights=local.counts, minlength=len(stored.centers)).astype(int)
         return KFedSummary(cost, sizes.tolist(), len(np.unique(local.devices)), len(local.counts))
-
-    def _local_centers(self) -> LocalCenters:
-        return LocalCenters.from_arrow(self._local.select(LOCAL_CENTER_COLUMNS), self._centers.shape[1])
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         """Label rows: a plan, no Spark job, so it works on a streaming DataFrame too. A row of a device
         the model has not seen takes the nearest global center and a null local prediction (its label
         depends on the row alone); `kfed-spark assign` clusters such devices locally instead."""
         cfg = self._config()
-        model = self._local_centers().label_model(self._local.column("cluster_id").to_numpy(), self._centers,
-                                                  cfg.label_mode, label_unseen=True)
-        return (
-            labelled_plan(dataset, cfg, model, self._centers.shape[1])
-            .drop(SQ_DIST_COL, REASON_COL)
-            .withColumnRenamed("local_cluster_id", self.getLocalPredictionCol())
-            .withColumnRenamed("cluster_id", self.getPredictionCol())
-        )
+        labelled = labelled_plan(dataset, cfg, self._stored.label_model(cfg.label_mode, label_unseen=True),
+                                 self._stored.dim).drop(SQ_DIST_COL, REASON_COL)
+        renamed = {"local_cluster_id": self.getLocalPredictionCol(), "cluster_id": self.getPredictionCol(),
+                   "distance": self.getOrDefault("distanceCol"), "margin": self.getOrDefault("marginCol")}
+        return labelled.drop(*[column for column, name in renamed.items() if not name]).withColumnsRenamed(
+            {column: name for column, name in renamed.items() if name})
 
     def write(self) -> MLWriter:
         return _model_writer(self)
@@ -248,9 +279,9 @@ class _DataFrameWriter(MLWriter):
 
 
 def _model_writer(model: KFedModel) -> _DataFrameWriter:
-    """Params and global centers as metadata; the local centers as Parquet under data/."""
-    centers = [[float(v) for v in center] for center in model._centers]
-    return _DataFrameWriter(model, {"centers": centers}, model._local)
+    """Params, global centers and their ids as metadata; the local centers as Parquet under data/."""
+    centers = [[float(v) for v in center] for center in model._stored.centers]
+    return _DataFrameWriter(model, {"centers": centers, "clusterIds": model.clusterIds}, model._local)
 
 
 class _KFedModelReader(MLReader["KFedModel"]):
@@ -263,5 +294,5 @@ class _KFedModelReader(MLReader["KFedModel"]):
         model = self.cls()
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)
-        model._local, model._centers = local, centers
-        return model
+        return model._with_state(StoredModel.of(centers, saved_cluster_ids(metadata, len(centers)), local,
+                                                f"model:{path}"))

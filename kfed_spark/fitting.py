@@ -9,9 +9,10 @@ kfed_spark.workers, the numpy in kfed_spark.kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from kfed_spark.config import KFedConfig
 from kfed_spark.distributed import global_centers, with_clusters
 from kfed_spark.errors import InputError, KFedError
 from kfed_spark.evaluation import EvaluationSpec
+from kfed_spark.identity import ClusterSummary
 from kfed_spark.io import read_side_table
 from kfed_spark.kernels import LabelModel, ServerClustering, nearest_center, server_step
 from kfed_spark.params import AlgorithmParams
@@ -65,7 +67,7 @@ DEVICE_K_COL = "__kfed_k"
 FEATURES_SOURCE = "kfed_features_source"
 """Metadata key of FEATURES_COL when it is the input's own features column under another name."""
 
-ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "run_id", "attempt_id")
+ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "distance", "margin", "run_id", "attempt_id")
 
 LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
 
@@ -84,7 +86,8 @@ LABELS_COL = "__kfed_labels"
 
 LABELS_TYPE = StructType([
     StructField(name, kind, True)
-    for name, kind in zip(LABEL_FIELDS, [IntegerType(), IntegerType(), DoubleType(), BooleanType(), BinaryType()])
+    for name, kind in zip(LABEL_FIELDS,
+                          [IntegerType(), IntegerType(), DoubleType(), DoubleType(), BooleanType(), BinaryType()])
 ])
 
 
@@ -111,18 +114,35 @@ class Clustering:
     local: LocalCenters
     server: ServerClustering
     model: LabelModel
+    cluster_ids: np.ndarray  # the published id of each global center (kfed_spark.identity)
+
+    def clusters(self) -> ClusterSummary:
+        """The global clusters as identity matching knows them, under their positions as ids."""
+        local, server = self.local, self.server
+        return ClusterSummary.of(np.arange(len(server.centers)), server.centers, server.assignment, local.centers,
+                                 local.counts, local.table.column("sse").to_numpy(), local.devices)
+
+    def with_ids(self, cluster_ids: np.ndarray) -> "Clustering":
+        """The same clustering with its global clusters published under these ids."""
+        return dataclasses.replace(self, cluster_ids=cluster_ids,
+                                   model=dataclasses.replace(self.model, cluster_ids=cluster_ids))
 
 
-def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None) -> Clustering:
-    """Validate the input, run alg. 1 on every device in the executors and alg. 2 on the driver."""
+def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None, initial: np.ndarray | None = None
+        ) -> Clustering:
+    """Validate the input, run alg. 1 on every device in the executors and alg. 2 on the driver
+    (warm-started from `initial` centers, if given)."""
     timer = timer or StageTimer()
     with timer.stage("validate"):
         checked, dim = validated(raw, cfg)
-    return fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer)
+    return fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer, lambda: initial)
 
 
-def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, timer: StageTimer) -> Clustering:
-    """fit() on an input that validated() has prepared.
+def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, timer: StageTimer,
+                warm_start: Callable[[], np.ndarray | None] = lambda: None) -> Clustering:
+    """fit() on an input that validated() has prepared. warm_start gives the centers to seed the server
+    step with (kernels.server_step's initial), called once the local step is done; the distributed server
+    step does not take them.
 
     The server step runs on the driver, or distributed (kfed_spark.distributed) as cfg.server_step
     says; unless it is "driver", the local centers are cached and counted, and "auto" picks by
@@ -143,8 +163,10 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
         with timer.stage("server_step"):
             try:
                 if local is not None:
-                    local, server = merged_on_driver(local, params)
+                    local, server = merged_on_driver(local, params, warm_start())
                 else:
+                    if warm_start() is not None:
+                        log.warning("identity.warm_start applies to the driver's server step only: cold seeding")
                     local, server = merged_in_spark(frame, dim, params)
             except ValueError as exc:
                 raise KFedError(str(exc)) from None
@@ -157,14 +179,16 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
         "server step (%s): %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
         where, len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
     )
-    return Clustering(checked, dim, local, server, local.label_model(server.assignment, server.centers, cfg.label_mode))
+    return Clustering(checked, dim, local, server, local.label_model(server.assignment, server.centers, cfg.label_mode),
+                      np.arange(len(server.centers)))
 
 
-def merged_on_driver(local: LocalCenters, params: AlgorithmParams) -> tuple[LocalCenters, ServerClustering | None]:
-    """Alg. 2 over the local centers the driver holds (None without any)."""
+def merged_on_driver(local: LocalCenters, params: AlgorithmParams, initial: np.ndarray | None = None
+                     ) -> tuple[LocalCenters, ServerClustering | None]:
+    """Alg. 2 over the local centers the driver holds (None without any), warm-started from initial if given."""
     if len(local.counts) == 0:
         return local, None
-    return local, server_step(local.centers, local.counts, local.devices, local.ids, params)
+    return local, server_step(local.centers, local.counts, local.devices, local.ids, params, initial)
 
 
 def merged_in_spark(frame: DataFrame, dim: int, params: AlgorithmParams) -> tuple[LocalCenters, ServerClustering | None]:
@@ -279,9 +303,11 @@ class LocalCenters:
         )
 
     def label_model(self, assignment: np.ndarray, centers: np.ndarray, label_mode: str,
-                    label_unseen: bool = False) -> LabelModel:
-        """What labels rows with these local centers, given the global cluster each joined and the centers."""
-        return LabelModel.build(self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen)
+                    label_unseen: bool = False, cluster_ids: np.ndarray | None = None) -> LabelModel:
+        """What labels rows with these local centers, given the global cluster each joined (its position in
+        centers) and the centers, with their published ids (default: their positions)."""
+        return LabelModel.build(self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen,
+                                cluster_ids)
 
 
 def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
@@ -370,10 +396,13 @@ def labelled_plan(rows: DataFrame, cfg: KFedConfig, model: LabelModel, dim: int)
 
 
 def labelled_fields(raw_schema: StructType) -> list[StructField]:
-    """The input's columns followed by the two cluster columns the labels table adds."""
+    """The input's columns followed by the columns the labels table adds: the row's local and global
+    cluster, its distance to the global center and its margin (kernels.assigned_with_margin)."""
     return list(raw_schema.fields) + [
         StructField("local_cluster_id", IntegerType(), True),
         StructField("cluster_id", IntegerType(), True),
+        StructField("distance", DoubleType(), True),
+        StructField("margin", DoubleType(), True),
     ]
 
 
@@ -407,6 +436,8 @@ def label_rows(
           for f in raw_schema.fields],
         label["local_cluster_id"].alias("local_cluster_id"),
         label["cluster_id"].alias("cluster_id"),
+        F.sqrt(label[SQ_DIST_COL]).alias("distance"),
+        label["margin"].alias("margin"),
         label[SQ_DIST_COL].alias(SQ_DIST_COL),
         *gathered,
         reason.alias(REASON_COL),

@@ -34,7 +34,7 @@ from kfed_spark.errors import InputError, KFedError, first_line
 log = logging.getLogger("kfed_spark")
 T = TypeVar("T")
 
-TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "runs")
+TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "cluster_changes", "runs")
 DATA_TABLES = TABLES[:-1]
 """The tables whose rows belong to one attempt of a run; `runs` says which attempts are published."""
 STREAM_TABLES = ("stream_labels", "stream_quarantine")
@@ -72,6 +72,8 @@ TABLE_COMMENTS = {
     "quarantine": "k-FED: input rows that could not be clustered, with the reason",
     "device_clusters": "k-FED: each device's profile, one row per device and global cluster it has rows in "
                        "(for per-cluster models and client selection)",
+    "cluster_changes": "k-FED: how each run's clusters relate to its reference run's (kept, new or retired), "
+                       "one row per cluster of the run and per retired cluster of the reference",
     "runs": "k-FED: one row per attempt of a run; the succeeded attempt with the highest publish_seq of a "
             "run_id is the published one",
     "stream_labels": "k-FED stream: every valid row that arrived, with its global cluster from a finished run's "
@@ -84,6 +86,9 @@ COLUMN_COMMENTS = {
     "attempt_id": "the attempt of the run that wrote the row; only the published attempt's rows count",
     "local_cluster_id": "the device's local cluster the row belongs to",
     "center": "the center's coordinates, one per feature",
+    "distance": "the row's Euclidean distance to its global cluster's center (the squares add up to the run's cost)",
+    "margin": "(d_other - d) / (d_other + d), d the row's distance to its cluster's center and d_other to the "
+              "nearest other center: 1 on its center, 0 half-way, negative nearer another center",
     "sse": "sum of squared distances of the local cluster's rows to its center",
     "reason": "why the row was not clustered",
     "status": "running, succeeded, failed, abandoned or superseded",
@@ -123,6 +128,20 @@ COLUMN_COMMENTS = {
     "batch_id": "the stream's micro-batch that wrote the row",
     "arrived_at": "when the micro-batch that wrote the row started (UTC)",
     "config": "the run's full configuration, as JSON",
+    "identity_mode": "stable (ids matched to the reference run's) or fresh (0..k-1); null in rows of older versions",
+    "reference_run_id": "the run whose clusters this run's were matched to (null: none)",
+    "reference_attempt_id": "the published attempt of the reference run that was matched",
+    "highest_cluster_id": "the highest cluster id used in the location up to this run; null in rows of older "
+                          "versions",
+    "center_shift": "distance between the cluster's center and its reference cluster's",
+    "relative_shift": "center_shift over the pooled root-mean-square distance of both clusters' rows to their "
+                      "centers",
+    "reference_n_points": "rows of the reference cluster",
+    "reference_n_devices": "devices with rows in the reference cluster",
+    "devices_in": "devices in both runs whose largest share of rows (as their local centers count them) is in this "
+                  "cluster now and was in another",
+    "devices_out": "devices in both runs whose largest share of rows (as their local centers count them) was in "
+                   "this cluster and is in another now",
     "versions": "versions of kfed-spark, Spark, Delta and the numeric libraries",
 }
 """Delta comments of the output columns; a column not named here is the input's and says so."""
@@ -139,6 +158,11 @@ TABLE_COLUMN_COMMENTS = {
     ("device_clusters", "device_id"): "the device",
     ("device_clusters", "cluster_id"): "a global cluster the device has labelled rows in",
     ("device_clusters", "n_points"): "the device's labelled rows in the cluster",
+    ("cluster_changes", "cluster_id"): "the cluster (of this run, or retired from the reference run)",
+    ("cluster_changes", "status"): "kept (matched to a reference cluster, whose id it keeps), new (an id never "
+                                   "used before) or retired (a reference cluster no cluster of this run matched)",
+    ("cluster_changes", "n_points"): "rows in the cluster (null for a retired one)",
+    ("cluster_changes", "n_devices"): "devices with rows in the cluster (null for a retired one)",
 }
 LOG_ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint(?:\.\d+\.\d+)?\.parquet|crc)$")
 """A commit, checkpoint or checksum file of a Delta log, by version."""
@@ -377,8 +401,8 @@ class OutputTables:
         """Check every table of the location (intact log, same schema), reading only. Returns, per table,
         None if it is not there yet, else the nullable columns this version added that it lacks (an
         older version wrote it). The tables' logs are read at once."""
-        present = _concurrently(self.check_log, list(schemas))
-        added = _concurrently(lambda name: self.check_schema(name, schemas[name]), [n for n in schemas if present[n]])
+        present = concurrently(self.check_log, list(schemas))
+        added = concurrently(lambda name: self.check_schema(name, schemas[name]), [n for n in schemas if present[n]])
         return {name: added.get(name) for name in schemas}
 
     def prepare(self, schemas: dict[str, StructType], stats_columns: dict[str, list[str]] | None = None,
@@ -407,7 +431,7 @@ class OutputTables:
                     raise
                 self.check_schema(name, schemas[name])
 
-        _concurrently(create, [name for name, fields in checked.items() if fields is None])
+        concurrently(create, [name for name, fields in checked.items() if fields is None])
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -466,7 +490,7 @@ class OutputTables:
             self._write(frames[name], name, "append", f"kfed-spark run {run_id} attempt {attempt_id}")
             log.info("wrote %s for run %s (attempt %s)", self.path(name), run_id, attempt_id)
 
-        _concurrently(write, list(frames))
+        concurrently(write, list(frames))
 
     def append_batch(self, frames: dict[str, DataFrame], app_id: str, batch_id: int, note: str) -> None:
         """Append a stream's micro-batch to its tables, each write idempotent: it carries Delta's marker
@@ -477,7 +501,7 @@ class OutputTables:
         def write(name: str) -> None:
             self._write(frames[name], name, "append", note, txnAppId=app_id, txnVersion=str(batch_id))
 
-        _concurrently(write, list(frames))
+        concurrently(write, list(frames))
 
     def add_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str) -> None:
         """Append a new attempt's first row to `runs`: a plain append, about a third of a replacing commit."""
@@ -510,7 +534,7 @@ class OutputTables:
             with self.writing(name):
                 self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}")
 
-        _concurrently(delete, list(DATA_TABLES))
+        concurrently(delete, list(DATA_TABLES))
         located = _filesystem(self.report_dir(run_id, attempt_id))
         if located is not None:
             filesystem, folder = located
@@ -588,7 +612,7 @@ def partition_columns(name: str) -> tuple[str, ...]:
     return () if name in STREAM_TABLES else PARTITION_COLUMNS
 
 
-def _concurrently(work: Callable[[str], T], names: list[str]) -> dict[str, T]:
+def concurrently(work: Callable[[str], T], names: list[str]) -> dict[str, T]:
     """work(name) for every table name (a check, creation, append or delete), in threads: a Delta log
     read or commit is mostly fixed overhead (about a second in local mode), so those of different tables
     overlap well. Returns each name's result; the first failure is raised."""

@@ -1,10 +1,11 @@
 """The k-FED job's stages: check the input, fit or apply a model, write a run, publish it.
 
 run() is the job: validate (the location's checks and the runs rows read beside the input's) --> claim
---> fit (kfed_spark.fitting) --> labels (one pass over the input, which also gathers the evaluation and
-the report's sample; the centers are written beside it) --> device profiles and quarantine (the report
-drawn beside them) --> publish (one commit of the attempt's runs row; kfed_spark.attempts). Delta I/O
-is in kfed_spark.io.
+(the reference run's clusters read beside the local step) --> fit (kfed_spark.fitting) --> the clusters'
+ids (kfed_spark.identity) --> labels (one pass over the input, which also gathers the evaluation and
+the report's sample; the centers are written beside it) --> device profiles, cluster changes and
+quarantine (the report drawn beside them) --> publish (one commit of the attempt's runs row;
+kfed_spark.attempts). Delta I/O is in kfed_spark.io.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, IntegerType, LongType, StringType, StructField, StructType
 
 from kfed_spark import faults, report
-from kfed_spark.attempts import RUNS_SCHEMA, Attempt, Ledger, new_attempt_id
+from kfed_spark.attempts import RUNS_SCHEMA, Attempt, Ledger, highest_cluster_id, new_attempt_id, reference_attempt
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import ConfigError, InputError, KFedError, describe
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
@@ -40,8 +41,17 @@ from kfed_spark.fitting import (
     validated,
 )
 from kfed_spark.io import TABLES, OutputTables, absolute, read_input
+from kfed_spark.identity import (
+    ClusterSummary,
+    Matching,
+    ReferenceRun,
+    changes_table,
+    fresh_ids,
+    largest_share,
+    match_clusters,
+)
 from kfed_spark.kernels import ServerClustering
-from kfed_spark.models import StoredModel, finished_model
+from kfed_spark.models import StoredModel, finished_model, reference_run
 from kfed_spark.metrics import ari_of
 from kfed_spark.session import in_background
 from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
@@ -58,6 +68,19 @@ CENTERS_FIELDS = [
 ]
 
 CENTERS_COLUMNS = [f.name for f in CENTERS_FIELDS]
+
+CLUSTER_CHANGE_FIELDS = [
+    StructField("cluster_id", IntegerType(), False),
+    StructField("status", StringType(), False),
+    StructField("reference_run_id", StringType(), True),
+    StructField("center_shift", DoubleType(), True),
+    StructField("relative_shift", DoubleType(), True),
+    StructField("n_points", LongType(), True),
+    StructField("reference_n_points", LongType(), True),
+    StructField("n_devices", LongType(), True),
+    StructField("reference_n_devices", LongType(), True),
+]
+"""cluster_changes before devices_in and devices_out (arrays of the device column's type)."""
 
 DEVICE_CLUSTER_FIELDS = [
     StructField("cluster_id", IntegerType(), False),
@@ -124,6 +147,9 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         checked, dim = validated(raw, cfg, None if parent is None else parent.dim)
         devices.result()
         checked_location = location.result()
+        known = known_runs.result()
+        reference_row = (reference_attempt(known, run_id, started_at, cfg.identity.reference)
+                         if parent is None and cfg.identity.mode == "stable" else None)
         faults.point("checked")
         schemas = output_schemas(raw.schema, device_col)
         tables.prepare(schemas, stats_columns(device_col), checked_location)
@@ -131,14 +157,22 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         faults.point("created")
     row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
     with timer.stage("claim"):
-        attempt = ledger.begin(row, known_runs.result())
+        attempt = ledger.begin(row, known)
+    # The reference run's clusters are read while the local step runs.
+    reference_read = None if reference_row is None else in_background(reference_run, tables, reference_row)
     writes: list[Future] = []
     try:
         faults.point("claimed")
         if parent is None:
-            clustering = fit_checked(checked, dim, raw.schema[device_col].dataType, cfg, timer)
-        else:
-            clustering = apply_model(checked, dim, cfg, parent, timer)
+            clustering, (matching, summary, reference) = fit_with_ids(
+                checked, dim, raw.schema[device_col].dataType, cfg, timer, reference_read,
+                highest_cluster_id(known, run_id) + 1)
+        else:  # the model's ids
+            clustering, matching, reference = apply_model(checked, dim, cfg, parent, timer), None, None
+        row.update(identity_mode=None if parent is not None else cfg.identity.mode,
+                   reference_run_id=None if reference is None else reference.run_id,
+                   reference_attempt_id=None if reference is None else reference.attempt_id,
+                   highest_cluster_id=max(highest_cluster_id(known, run_id), int(np.max(clustering.cluster_ids))))
         if cfg.on_bad_rows == "fail":
             refuse_bad_rows(label_rows(clustering.checked, clustering.model, raw.schema, device_col, dim))
         # The global and local centers are written while the labels are, the report while the other tables are.
@@ -147,11 +181,18 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
             counted, labelled = write_labels(tables, attempt, cfg, raw.schema, clustering)
         result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
         row.update(result_columns(result))
+        device_type = clustering.local.table.schema.field("device_id").type
+        profiles = device_clusters_table(counted.evaluation, device_type)
+        local = clustering.local
+        changes = (None if matching is None or cfg.identity.mode == "fresh" else changes_table(
+            matching, summary, reference,
+            largest_share(local.devices, clustering.cluster_ids[clustering.server.assignment], local.counts),
+            device_type))
         if cfg.report:
             writes.append(in_background(timed, timer, "report", write_run_report, tables, attempt,
-                                        row, cfg, clustering, counted.evaluation))
+                                        row, cfg, clustering, counted.evaluation, changes))
         with timer.stage("other_tables"):
-            write_other_tables(tables, attempt, schemas, clustering, labelled, counted)
+            write_other_tables(tables, attempt, schemas, labelled, counted, profiles, changes)
             for write in writes:
                 write.result()
         if cfg.report:
@@ -172,6 +213,38 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
     return result
 
 
+def fit_with_ids(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, timer: StageTimer,
+                 reference_read: Future | None, next_id: int
+                 ) -> tuple[Clustering, tuple[Matching, ClusterSummary, ReferenceRun | None]]:
+    """fit_checked, warm-started from the reference run's centers with identity.warm_start, and the
+    clustering under its ids (cluster_identity), with what the cluster_changes table is drawn from.
+    reference_read: the reference run being read (models.reference_run), None without one."""
+    def reference_centers() -> np.ndarray | None:
+        return reference_read.result().clusters.centers if cfg.identity.warm_start and reference_read else None
+
+    clustering = fit_checked(checked, dim, device_type, cfg, timer, reference_centers)
+    with timer.stage("identity"):
+        reference = None if reference_read is None else reference_read.result()
+        matching, summary = cluster_identity(cfg, clustering, reference, next_id)
+    return clustering.with_ids(matching.ids), (matching, summary, reference)
+
+
+def cluster_identity(cfg: KFedConfig, clustering: Clustering, reference: ReferenceRun | None, next_id: int
+                     ) -> tuple[Matching, ClusterSummary]:
+    """The ids of a fitted run's clusters (kfed_spark.identity), and what matching knew of them: matched
+    to the reference run's with identity.mode stable, 0..k-1 with fresh; from next_id without a reference."""
+    k = len(clustering.server.centers)
+    summary = clustering.clusters()
+    if cfg.identity.mode == "fresh":
+        return fresh_ids(k, 0), summary
+    if reference is None:
+        return fresh_ids(k, next_id), summary
+    matching = match_clusters(summary, reference.clusters, next_id)
+    log.info("identity: %d clusters kept the ids of run %s, %d new, %d retired", int(np.sum(matching.reference >= 0)),
+             reference.run_id, int(np.sum(matching.reference < 0)), len(matching.retired))
+    return matching, summary
+
+
 def timed(timer: StageTimer, stage: str, work, *args):
     with timer.stage(stage):
         return work(*args)
@@ -188,6 +261,9 @@ def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructT
                                      *tagged]),
         "quarantine": StructType(list(raw_schema.fields) + [StructField("reason", StringType(), False), *tagged]),
         "device_clusters": StructType([device, *DEVICE_CLUSTER_FIELDS, *tagged]),
+        "cluster_changes": StructType([*CLUSTER_CHANGE_FIELDS,
+                                       *[StructField(name, ArrayType(device.dataType, False), False)
+                                         for name in ("devices_in", "devices_out")], *tagged]),
         "runs": RUNS_SCHEMA,
     }
 
@@ -218,8 +294,8 @@ def apply_model(checked: DataFrame, dim: int, cfg: KFedConfig, parent: StoredMod
             valid, cfg, dim, LocalCenters.from_arrow(parent.local, dim), parent.assignment, parent.centers
         )
     server = ServerClustering(parent.centers, assignment, seed_device=None, refine_iterations=0)
-    model = local.label_model(assignment, parent.centers, cfg.label_mode)
-    return Clustering(checked, dim, local, server, model)
+    model = local.label_model(assignment, parent.centers, cfg.label_mode, cluster_ids=parent.cluster_ids)
+    return Clustering(checked, dim, local, server, model, parent.cluster_ids)
 
 
 @dataclass(frozen=True)
@@ -278,26 +354,25 @@ def write_centers(tables: OutputTables, attempt: Attempt, schemas: dict[str, Str
     """Append the attempt's local centers, each with the global cluster it joined, and its global centers."""
     spark, local, server = clustering.checked.sparkSession, clustering.local, clustering.server
     tag = attempt_columns(attempt)
-    local_with_cluster = local.table.append_column("cluster_id", pa.array(server.assignment, type=pa.int32()))
+    local_with_cluster = local.table.append_column(
+        "cluster_id", pa.array(clustering.cluster_ids[server.assignment], type=pa.int32()))
     tables.append({
         "local_centers": conform(spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2])
         .select("*", *tag),
-        "centers": centers_frame(spark, server, local).select(*CENTERS_COLUMNS, *tag),
+        "centers": centers_frame(spark, server, local, clustering.cluster_ids).select(*CENTERS_COLUMNS, *tag),
     }, attempt.run_id, attempt.attempt_id)
 
 
 def write_other_tables(
-    tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], clustering: Clustering,
-    labelled: DataFrame, counted: LabelledRows,
+    tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], labelled: DataFrame,
+    counted: LabelledRows, profiles: pa.Table, changes: pa.Table | None,
 ) -> None:
-    """Append the attempt's device profiles, from what the labelling pass added up, and its quarantined
-    rows if it has any."""
+    """Append the attempt's device profiles (device_clusters_table), its cluster changes (with identity.mode
+    stable; kfed_spark.identity.changes_table) and its quarantined rows if it has any."""
     tag = attempt_columns(attempt)
-    profiles = device_clusters_table(counted.evaluation, clustering.local.table.schema.field("device_id").type)
-    frames = {
-        "device_clusters": conform(labelled.sparkSession.createDataFrame(profiles),
-                                   schemas["device_clusters"].fields[:-2]).select("*", *tag),
-    }
+    spark = labelled.sparkSession
+    frames = {name: conform(spark.createDataFrame(table), schemas[name].fields[:-2]).select("*", *tag)
+              for name, table in (("device_clusters", profiles), ("cluster_changes", changes)) if table is not None}
     if counted.n_quarantined:  # a second labelling pass, only for dirty inputs
         frames["quarantine"] = (
             labelled.filter(F.col(REASON_COL).isNotNull())
@@ -372,22 +447,24 @@ def conform(df: DataFrame, fields: list[StructField]) -> DataFrame:
     ])
 
 
-def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCenters) -> DataFrame:
+def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCenters, cluster_ids: np.ndarray
+                  ) -> DataFrame:
     k = len(server.centers)
     n_points = np.bincount(server.assignment, weights=local.counts, minlength=k).astype(np.int64)
     device_index = np.unique(local.devices, return_inverse=True)[1]
     cluster_device_pairs = np.unique(np.stack([server.assignment, device_index]), axis=1)
     n_devices = np.bincount(cluster_device_pairs[0], minlength=k)
-    rows = [(c, server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
+    rows = [(int(cluster_ids[c]), server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
     return spark.createDataFrame(rows, StructType(CENTERS_FIELDS))
 
 
 def write_run_report(tables: OutputTables, attempt: Attempt, summary: dict, cfg: KFedConfig, clustering: Clustering,
-                     evaluation: Evaluation) -> None:
-    tables.write_report(attempt.run_id, attempt.attempt_id, run_report(summary, cfg, clustering, evaluation))
+                     evaluation: Evaluation, changes: pa.Table | None = None) -> None:
+    tables.write_report(attempt.run_id, attempt.attempt_id, run_report(summary, cfg, clustering, evaluation, changes))
 
 
-def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, evaluation: Evaluation) -> dict[str, bytes]:
+def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, evaluation: Evaluation,
+               changes: pa.Table | None = None) -> dict[str, bytes]:
     """report.json and report.html of a run, from what the driver holds and the labelling pass gathered."""
     local, server = clustering.local, clustering.server
     facts = report.RunFacts(
@@ -395,6 +472,7 @@ def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, evaluatio
         local_devices=local.devices, local_centers=local.centers, local_counts=local.counts,
         assignment=server.assignment, global_centers=server.centers,
         sample_x=evaluation.sample_x, sample_labels=evaluation.sample_labels, truth_cells=evaluation.cells,
+        changes=None if changes is None else changes.drop_columns(["devices_in", "devices_out"]).to_pylist(),
     )
     content = report.build(facts)
     return {
@@ -422,6 +500,7 @@ def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: st
         "label_mode": cfg.label_mode,
         "local_restarts": cfg.local_restarts,
         "robust_min_size": float(cfg.robust_min_size),
+        **{name: None for name in ("identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id")},
         **{name: None for name in RESULT_COLUMNS},
         "timings": {},
         "config": json.dumps(as_dict(cfg), sort_keys=True),
@@ -457,6 +536,10 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
             f"server_refine = {cfg.server_refine}, server_step = {cfg.server_step}, label_mode = {cfg.label_mode}, "
             f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
             f"run id: {cfg.run_id or '(from the start time)'}",
+            f"cluster ids: {cfg.identity.mode}" + ("" if cfg.identity.mode == "fresh" else
+                                                   f", matched to run {cfg.identity.reference!r}" if cfg.identity.reference
+                                                   else ", matched to the newest published run of another run id")
+            + (", warm start from its centers" if cfg.identity.warm_start else ""),
             f"output: {tables.root}/{{{','.join(TABLES)}}}"
             + (f" (existing: {', '.join(existing)})" if existing else " (new)")
             + (f"; published views in {cfg.output.database}.*" if cfg.output.database else ""),

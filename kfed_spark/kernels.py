@@ -492,9 +492,14 @@ def server_step(
     device_ids: np.ndarray,
     local_ids: np.ndarray,
     params: AlgorithmParams = DEFAULTS,
+    initial: np.ndarray | None = None,
 ) -> ServerClustering:
     """Alg. 2: merge all devices' local centers into k global clusters, with params' k, seeding,
     robust_min_size, server_refine, max_iter, tol and seed.
+
+    With `initial` (a warm start: an earlier run's global centers) the seeds are those centers (the k
+    that draw the most weight, if there are more) and as many more as k asks for by the seeding rule
+    (warm_seeds); the refinement is as without.
 
     The outlier filter first: with robust_min_size > 0 only the local centers backed by at least
     that times the median center count take part in seeding and refinement, so a few stray
@@ -523,7 +528,11 @@ def server_step(
     ordered = centers[order]
     weights = np.asarray(counts, dtype=np.float64)[order]
     eligible = weights >= params.robust_min_size * np.median(weights)
-    if seeding == "kmeanspp":
+    if initial is not None:
+        seed_device = None
+        seeds = warm_seeds(ordered[eligible], weights[eligible], np.asarray(initial, dtype=np.float64), params)
+        global_centers, ordered_assignment, rounds, _ = _refine(ordered[eligible], weights[eligible], seeds, params)
+    elif seeding == "kmeanspp":
         seed_device = None
         found = _kmeanspp_centers(ordered[eligible], weights[eligible], params)
         if found is None and not eligible.all():  # too few distinct centers pass the filter: use them all
@@ -543,6 +552,33 @@ def server_step(
     assignment = np.empty_like(ordered_assignment)
     assignment[order] = ordered_assignment
     return ServerClustering(global_centers, assignment, seed_device, rounds)
+
+
+def warm_seeds(x: np.ndarray, weights: np.ndarray, initial: np.ndarray, params: AlgorithmParams) -> np.ndarray:
+    """k seeds from earlier centers over the weighted local centers x: of the initial centers that some
+    local center is nearest to, the k with the most weight nearest them (ties: the earlier one); then,
+    while fewer than k, the local center farthest from the seeds (seeding farthest) or one drawn in
+    proportion to weight times squared distance (kmeanspp, seeded from the run seed)."""
+    x, origin = centered(x, weights)
+    seeds = initial - origin
+    nearest, _ = nearest_center(x, seeds)
+    mass = np.bincount(nearest, weights=weights, minlength=len(seeds))
+    kept = np.sort(np.argsort(-mass, kind="stable")[: params.k])
+    seeds = seeds[kept[mass[kept] > 0]]  # an earlier center no local center is nearest to: its cluster is gone
+    rng = device_rng(params.seed, f"{SERVER_RNG_KEY}warm")
+    _, to_seeds = nearest_center(x, seeds)
+    while len(seeds) < params.k:
+        score = weights * to_seeds
+        if not np.any(score > 0):
+            raise too_few_distinct(params.k, len(seeds))
+        if params.seeding == "kmeanspp":
+            chosen = int(_draw(np.cumsum(score), rng, 1)[0])
+        else:
+            chosen = int(np.argmax(to_seeds))
+        seeds = np.vstack([seeds, x[chosen]])
+        diff = x - x[chosen]
+        np.minimum(to_seeds, np.einsum("ij,ij->i", diff, diff), out=to_seeds)
+    return seeds + origin
 
 
 REPRESENTATIVE_SAMPLE = 4
@@ -694,10 +730,11 @@ class LabelModel:
     origin: np.ndarray
     label_mode: str
     label_unseen: bool = False
+    cluster_ids: np.ndarray | None = None  # the published id of each global center; None: its position
 
     @classmethod
     def build(cls, devices, local_ids, centers, clusters, global_centers, label_mode,
-              label_unseen: bool = False) -> "LabelModel":
+              label_unseen: bool = False, cluster_ids: np.ndarray | None = None) -> "LabelModel":
         keys, slot = np.unique(np.asarray(devices), return_inverse=True)
         width = int(np.max(local_ids)) + 1
         global_centers, origin = centered(np.asarray(global_centers, dtype=np.float64))
@@ -708,10 +745,11 @@ class LabelModel:
         center_valid[slot, local_ids] = True
         center_cluster[slot, local_ids] = clusters
         return cls(keys, device_centers, center_valid, center_cluster, global_centers, origin, label_mode,
-                   label_unseen)
+                   label_unseen, None if cluster_ids is None else np.asarray(cluster_ids, dtype=np.int64))
 
-    def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(local_cluster_id, cluster_id, squared distance to the global center) per row."""
+    def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(local_cluster_id, cluster_id, squared distance to the global center, margin) per row; the
+        cluster ids are cluster_ids' (positions of the global centers without them)."""
         x = x - self.origin
         slots = pd.Index(self.devices).get_indexer(devices)
         unseen = slots < 0
@@ -719,16 +757,58 @@ class LabelModel:
             raise ValueError(f"device {plain(devices[np.flatnonzero(unseen)[0]])!r} has no local centers in this model")
         seen = np.flatnonzero(~unseen) if np.any(unseen) else slice(None)  # a slice: no copy of x in the usual case
         local = np.full(len(x), -1, dtype=np.int64)
-        cluster = np.empty(len(x), dtype=np.int64)
-        sq_dist = np.empty(len(x), dtype=np.float64)
+        assigned = np.full(len(x), -1, dtype=np.int64)  # -1: the nearest global center
         local[seen], _ = nearest_device_center(x[seen], slots[seen], self.device_centers, self.center_valid)
-        by_nearest = slice(None) if self.label_mode == "nearest" else np.flatnonzero(unseen)
-        cluster[by_nearest], sq_dist[by_nearest] = nearest_center(x[by_nearest], self.global_centers)
         if self.label_mode != "nearest":
-            cluster[seen] = self.center_cluster[slots[seen], local[seen]]
+            assigned[seen] = self.center_cluster[slots[seen], local[seen]]
+        cluster, sq_dist, margin = assigned_with_margin(x, self.global_centers, assigned)
+        if self.label_mode != "nearest":  # the exact distance to the assigned center, as the cost adds it up
             diff = x[seen] - self.global_centers[cluster[seen]]
             sq_dist[seen] = np.einsum("ij,ij->i", diff, diff)
-        return local, cluster, sq_dist
+        return local, cluster if self.cluster_ids is None else self.cluster_ids[cluster], sq_dist, margin
+
+
+def assigned_with_margin(x: np.ndarray, centers: np.ndarray, assigned: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For rows x near the origin: (global cluster, squared distance to it, margin) per row, where the
+    cluster is `assigned` or, where that is -1, the nearest center.
+
+    The margin is (d_other - d_own) / (d_other + d_own), with d_own the row's distance to its cluster's
+    center and d_other to the nearest other center: 1 on its own center, 0 half-way between two
+    centers, negative for a row nearer another center than its own (label_mode induced); 1 with k = 1.
+    A ratio of distances: shifting or scaling the features leaves it as it is.
+    """
+    cluster = assigned.copy()
+    sq_dist = np.empty(len(x))
+    other = np.full(len(x), np.inf)
+    x_sq = np.einsum("ij,ij->i", x, x)
+    c_sq = np.einsum("ij,ij->i", centers, centers)
+    step = max(1, DISTANCE_CHUNK_ELEMENTS // len(centers))
+    for start in range(0, len(x), step):
+        chunk = slice(start, start + step)
+        # |c|^2 - 2 x.c orders the centers as the squared distance does; |x|^2 is added to the two kept only.
+        partial = x[chunk] @ centers.T
+        partial *= -2.0
+        partial += c_sq
+        rows, pick = np.arange(len(partial)), cluster[chunk]  # a view: filling it fills cluster
+        free = pick < 0
+        if free.all():
+            pick[:] = np.argmin(partial, axis=1)
+        elif free.any():
+            pick[free] = np.argmin(partial[free], axis=1)
+        sq_dist[chunk] = partial[rows, pick]
+        if len(centers) > 1:
+            partial[rows, pick] = np.inf
+            other[chunk] = np.min(partial, axis=1)
+    sq_dist += x_sq
+    other += x_sq
+    np.maximum(sq_dist, 0.0, out=sq_dist)
+    np.maximum(other, 0.0, out=other)
+    own, other = np.sqrt(sq_dist), np.sqrt(other)
+    with np.errstate(invalid="ignore"):
+        margin = np.where(np.isinf(other), 1.0, (other - own) / (other + own))
+    margin[own + other == 0] = 0.0  # two equal centers
+    return cluster, sq_dist, margin
 
 
 @dataclass(frozen=True)
@@ -778,21 +858,23 @@ def federated_kmeans(
     devices: np.ndarray,
     params: AlgorithmParams = DEFAULTS,
     local: DeviceClusterings | None = None,
+    initial: np.ndarray | None = None,
 ) -> FederatedClustering:
     """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
 
     max_rows_per_device does not apply (every row is clustered). local, if given, is
     local_clusterings of the same rows with the same local parameters (a benchmark comparing
-    server settings computes it once). It is the single-process floor of the benchmark and the
+    server settings computes it once); initial, the centers to warm-start the server step from. It is
+    the single-process floor of the benchmark and the
     reference the Spark job is tested against.
     """
     local = local or local_clusterings(x, devices, params)
-    server = server_step(local.centers, local.counts, local.devices, local.local_ids, params)
+    server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
     model = LabelModel.build(local.devices, local.local_ids, local.centers, server.assignment, server.centers,
                              params.label_mode)
     local_labels = np.empty(len(x), dtype=np.int64)
     labels = np.empty(len(x), dtype=np.int64)
     for start in range(0, len(x), LABEL_CHUNK_ROWS):
         chunk = slice(start, start + LABEL_CHUNK_ROWS)
-        local_labels[chunk], labels[chunk], _ = model.label(devices[chunk], x[chunk])
+        local_labels[chunk], labels[chunk], _, _ = model.label(devices[chunk], x[chunk])
     return FederatedClustering(labels, local_labels, server, local.counts, local.devices)

@@ -16,7 +16,8 @@ from pyspark.sql import functions as F
 from kfed_spark.config import RUN_ID_PATTERN
 from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, LocalCenters
-from kfed_spark.io import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, OutputTables, absolute
+from kfed_spark.io import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, OutputTables, absolute, concurrently
+from kfed_spark.identity import ClusterSummary, ReferenceRun, largest_share
 from kfed_spark.kernels import LabelModel
 
 SAVED_LOCAL_CENTERS = "data/local_centers"
@@ -32,18 +33,35 @@ class StoredModel:
     """
 
     centers: np.ndarray
+    cluster_ids: np.ndarray  # the published id of each center
     local: pa.Table
-    assignment: np.ndarray
+    assignment: np.ndarray  # position in `centers` of each local center's global cluster
     origin: str
     config: dict | None = None
+
+    @classmethod
+    def of(cls, centers: np.ndarray, cluster_ids: np.ndarray, local: pa.Table, origin: str,
+           config: dict | None = None) -> "StoredModel":
+        """From centers with their ids and local centers (LOCAL_CENTER_COLUMNS plus their cluster_id)."""
+        order = np.argsort(cluster_ids, kind="stable")
+        cluster_ids = np.asarray(cluster_ids, dtype=np.int64)[order]
+        assignment = np.searchsorted(cluster_ids, local.column("cluster_id").to_numpy())
+        return cls(np.asarray(centers, dtype=np.float64)[order], cluster_ids, local.select(LOCAL_CENTER_COLUMNS),
+                   assignment, origin, config)
 
     @property
     def dim(self) -> int:
         return self.centers.shape[1]
 
+    def clusters(self) -> ClusterSummary:
+        """The model's global clusters as identity matching knows them."""
+        local = LocalCenters.from_arrow(self.local, self.dim)
+        return ClusterSummary.of(self.cluster_ids, self.centers, self.assignment, local.centers, local.counts,
+                                 self.local.column("sse").to_numpy(), local.devices)
+
     def label_model(self, label_mode: str, label_unseen: bool = False) -> LabelModel:
         return LocalCenters.from_arrow(self.local, self.dim).label_model(self.assignment, self.centers, label_mode,
-                                                                         label_unseen)
+                                                                         label_unseen, self.cluster_ids)
 
 
 def newest_run_id(tables: OutputTables) -> str:
@@ -67,16 +85,19 @@ def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel
     ).collect()
     if not published:
         raise missing
-    attempt = (F.col("run_id") == run_id) & (F.col("attempt_id") == published[0].attempt_id)
-    centers = tables.read("centers").filter(attempt).orderBy("cluster_id").toArrow()
-    local = tables.read("local_centers").filter(attempt).select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
-    return StoredModel(
-        np.array(centers.column("center").to_pylist(), dtype=np.float64),
-        local.select(LOCAL_CENTER_COLUMNS),
-        local.column("cluster_id").to_numpy(),
-        origin=run_id,
-        config=json.loads(published[0].config),
-    )
+    return attempt_model(tables, run_id, published[0].attempt_id, json.loads(published[0].config))
+
+
+def attempt_model(tables: OutputTables, run_id: str, attempt_id: str, config: dict | None = None) -> StoredModel:
+    """The model an attempt of a run wrote (its centers and local centers), read beside each other."""
+    attempt = (F.col("run_id") == run_id) & (F.col("attempt_id") == attempt_id)
+    read = {"centers": lambda: tables.read("centers").filter(attempt).select("cluster_id", "center").toArrow(),
+            "local_centers": lambda: tables.read("local_centers").filter(attempt)
+            .select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()}
+    tables_read = concurrently(lambda name: read[name](), list(read))
+    centers = tables_read["centers"]
+    return StoredModel.of(np.array(centers.column("center").to_pylist(), dtype=np.float64).reshape(len(centers), -1),
+                          centers.column("cluster_id").to_numpy(), tables_read["local_centers"], run_id, config)
 
 
 def read_saved(spark: SparkSession, path: str) -> tuple[dict, np.ndarray, pa.Table]:
@@ -99,6 +120,19 @@ def finished_model(tables: OutputTables, run_id: str | None = None, path: str | 
 
 def saved_model(spark: SparkSession, path: str) -> StoredModel:
     """The model a KFedModel saved at path holds, as `assign` and `stream` take it (--model PATH)."""
-    _, centers, local = read_saved(spark, absolute(path))
-    return StoredModel(centers, local.select(LOCAL_CENTER_COLUMNS), local.column("cluster_id").to_numpy(),
-                       origin=f"model:{absolute(path)}")
+    metadata, centers, local = read_saved(spark, absolute(path))
+    return StoredModel.of(centers, saved_cluster_ids(metadata, len(centers)), local, f"model:{absolute(path)}")
+
+
+def saved_cluster_ids(metadata: dict, k: int) -> np.ndarray:
+    """The ids of a saved KFedModel's centers: its clusterIds, or their positions (saved before it had them)."""
+    return np.asarray(metadata.get("clusterIds", range(k)), dtype=np.int64)
+
+
+def reference_run(tables: OutputTables, row: dict) -> ReferenceRun:
+    """The clusters of a published attempt (its runs row), for identity matching."""
+    model = attempt_model(tables, row["run_id"], row["attempt_id"])
+    local = model.local
+    share = largest_share(local.column("device_id").to_numpy(zero_copy_only=False),
+                          model.cluster_ids[model.assignment], local.column("n_points").to_numpy())
+    return ReferenceRun(row["run_id"], row["attempt_id"], model.clusters(), share)

@@ -35,6 +35,7 @@ class RunFacts:
     sample_x: np.ndarray  # (s, d) sampled rows
     sample_labels: np.ndarray  # (s,) their global clusters
     truth_cells: np.ndarray | None  # (classes, clusters) contingency table, if a truth column is set
+    changes: list[dict] | None = None  # the run's cluster_changes rows, without their device lists
 
 
 def build(facts: RunFacts) -> dict:
@@ -53,6 +54,7 @@ def build(facts: RunFacts) -> dict:
             "sample_rows": int(len(facts.sample_x)),
         },
         "truth": None,
+        "since_reference": None if facts.changes is None else _since_reference(facts.changes),
     }
     if facts.truth_cells is not None:
         cells = facts.truth_cells
@@ -64,6 +66,21 @@ def build(facts: RunFacts) -> dict:
             "accuracy": matched_accuracy_of(cells),
         }
     return report
+
+
+def _since_reference(changes: list[dict]) -> dict:
+    """How the run's clusters relate to its reference run's (the cluster_changes rows)."""
+    by_status = {status: sorted(c["cluster_id"] for c in changes if c["status"] == status)
+                 for status in ("kept", "new", "retired")}
+    kept = [c for c in changes if c["status"] == "kept"]
+    moved = max(kept, key=lambda c: c["relative_shift"], default=None)
+    return {
+        "reference_run_id": changes[0]["reference_run_id"] if changes else None,
+        **{status: ids for status, ids in by_status.items()},
+        "largest_shift": None if moved is None else {key: moved[key] for key in ("cluster_id", "center_shift",
+                                                                                 "relative_shift")},
+        "clusters": changes,
+    }
 
 
 def _distinct_per_device(devices: np.ndarray, clusters: np.ndarray) -> np.ndarray:
@@ -127,7 +144,38 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
                xlim=(min(positions) - 1, max(positions) + 1))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         images[name] = _png(fig)
+    since = report.get("since_reference")
+    if since and since["reference_run_id"] is not None:
+        images["since_reference"] = _changes_figure(since)
     return images
+
+
+def _changes_figure(since: dict) -> bytes:
+    """Each cluster's rows now and in the reference run, by id; kept clusters labelled by their relative shift."""
+    from matplotlib.figure import Figure
+
+    clusters = sorted(since["clusters"], key=lambda c: c["cluster_id"])
+    positions = np.arange(len(clusters))
+    fig = Figure(figsize=(max(6, 0.3 * len(clusters) + 2), 3.6))
+    ax = fig.subplots()
+    ax.bar(positions - 0.2, [c["reference_n_points"] or 0 for c in clusters], width=0.4, color="#9aa9bd",
+           label=f"in {since['reference_run_id']}")
+    colors = {"kept": "#3b6ea8", "new": "#2e9e5b", "retired": "#c0392b"}
+    ax.bar(positions + 0.2, [c["n_points"] or 0 for c in clusters], width=0.4,
+           color=[colors[c["status"]] for c in clusters], label="in this run (green: new; red marks: retired)")
+    for position, cluster in zip(positions, clusters):
+        if cluster["status"] == "retired":
+            ax.annotate("retired", (position, 0), rotation=90, fontsize=7, ha="center", va="bottom", color="#c0392b")
+        elif cluster["status"] == "kept":
+            ax.annotate(f"{cluster['relative_shift']:.2f}", (position + 0.2, cluster["n_points"]), fontsize=6,
+                        ha="center", va="bottom", rotation=90)
+    ax.set_xticks(positions, [str(c["cluster_id"]) for c in clusters], fontsize=7, rotation=90)
+    ax.set(xlabel="cluster id", ylabel="rows",
+           title="Since the reference run: rows per cluster (numbers: center shift over spread)")
+    tallest = max([c["n_points"] or 0 for c in clusters] + [c["reference_n_points"] or 0 for c in clusters] + [1])
+    ax.set_ylim(0, 1.35 * tallest)  # room for the legend above the bars
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    return _png(fig)
 
 
 def _projection(local: np.ndarray, counts: np.ndarray, global_centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -186,6 +234,13 @@ def _lines(report: dict) -> list[tuple[str, str]]:
     sil = report["silhouette"]
     if sil["value"] is not None:
         lines.append(("silhouette", f"{sil['value']:.4f} (on {sil['sample_rows']} sampled rows)"))
+    since = report.get("since_reference")  # reports of older versions lack it
+    if since and since["reference_run_id"] is not None:
+        moved = since["largest_shift"]
+        lines.append((f"since {since['reference_run_id']}",
+                      f"{len(since['kept'])} kept, new {since['new'] or 'none'}, retired {since['retired'] or 'none'}"
+                      + ("" if moved is None else f"; moved most: {moved['cluster_id']} "
+                                                  f"({moved['relative_shift']:.3f} of its spread)")))
     truth = report["truth"]
     if truth:
         lines.append((f"against {truth['column']} ({truth['classes']} classes)",

@@ -234,7 +234,7 @@ def cluster_batches(batches: Iterator[pa.RecordBatch], centers: np.ndarray) -> I
 
 NON_FINITE = "non_finite_value"
 
-LABEL_FIELDS = ("local_cluster_id", "cluster_id", SQ_DIST_COL, "non_finite", EVALUATION_COL)
+LABEL_FIELDS = ("local_cluster_id", "cluster_id", SQ_DIST_COL, "margin", "non_finite", EVALUATION_COL)
 """What label_arrays returns per row, in this order (fitting.label_rows gives their Spark types)."""
 
 
@@ -247,7 +247,8 @@ def label_arrays(
     Rows that are not labellable (validation gave them a reason) get nulls. A labellable row whose
     features hold a null, NaN or infinite value gets non_finite = true instead of a label: numpy
     checks that for next to nothing. Labelled rows get local_cluster_id (null for a device the model
-    has not seen), cluster_id and their squared distance to the global center. With an evaluation spec, the partition's
+    has not seen), cluster_id, their squared distance to the global center and their margin
+    (kernels.assigned_with_margin). With an evaluation spec, the partition's
     PartitionEvaluation (the truth is the fourth array) is on the last row's EVALUATION_COL, null on
     every other row; each batch is held until the next one shows it is not the last.
     """
@@ -263,7 +264,7 @@ def label_arrays(
             x, every_row = x[finite], False
         rows = candidates[finite]
         devices = (device_array if every_row else device_array.take(rows)).to_numpy(zero_copy_only=False)
-        local, cluster, sq_dist = model.label(devices, x)
+        local, cluster, sq_dist, margin = model.label(devices, x)
         unlabelled = np.ones(len(labellable), dtype=bool)
         unlabelled[rows] = False
         non_finite = np.zeros(len(labellable), dtype=bool)
@@ -277,6 +278,7 @@ def label_arrays(
             _scatter(local, rows, unlabelled, pa.int32(), unset=-1),  # -1: a device the model has not seen
             _scatter(cluster, rows, unlabelled, pa.int32()),
             _scatter(sq_dist, rows, unlabelled, pa.float64()),
+            _scatter(margin, rows, unlabelled, pa.float64()),
             pa.array(non_finite),
         ]
     if held is not None:

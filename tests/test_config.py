@@ -29,6 +29,8 @@ def test_a_date_as_run_id_stays_the_text_given(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("input: {path: /x}\noutput: {path: /y}\nrun_id: 2026-11-29\n")
     assert load_config(path).run_id == "2026-11-29"
+    path.write_text("input: {path: /x}\noutput: {path: /y}\nidentity: {reference: 2026-11-28}\n")
+    assert load_config(path).identity.reference == "2026-11-28"
 
 
 def test_features_can_be_a_list_of_columns():
@@ -67,6 +69,10 @@ def test_features_can_be_a_list_of_columns():
         (["stream.trigger_seconds=.inf"], "stream.trigger_seconds must be a finite number > 0, got inf"),
         (["stream.max_files_per_trigger=0"], "stream.max_files_per_trigger must be an integer >= 1"),
         (["stream.labels_table=x"], "unknown config key stream.labels_table"),
+        (["identity.mode=renumber"], "identity.mode must be one of stable, fresh, got 'renumber'"),
+        (["identity.mode=fresh", "identity.reference=day-1"], "need identity.mode: stable"),
+        (["identity.warm_start=sometimes"], "identity.warm_start must be true or false"),
+        (["identity.reference=a b"], "identity.reference 'a b' is not allowed"),
     ],
 )
 def test_invalid_configuration_is_named(overrides, message):

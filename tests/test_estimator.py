@@ -148,3 +148,25 @@ def test_the_estimator_needs_neither_delta_spark_nor_the_job():
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_a_reference_model_s_ids_and_the_optional_distance_and_margin(spark, mixture_path):
+    rows = spark.read.parquet(mixture_path)
+    first = mixture_estimator().fit(rows)
+    by_truth = {}
+    for seed, warm in ((99, False), (99, True), (None, False)):
+        estimator = mixture_estimator().setReferenceModel(first, warmStart=warm)
+        if seed is not None:
+            estimator.setSeed(seed)
+        model = estimator.fit(rows)
+        assert sorted(model.clusterIds) == sorted(first.clusterIds)
+        labelled = by_row(model.transform(rows), "true_cluster", "prediction")
+        by_truth[(seed, warm)] = labelled.groupby("true_cluster").prediction.agg(lambda p: p.mode()[0]).to_dict()
+    plain = by_row(first.transform(rows), "true_cluster", "prediction")
+    expected = plain.groupby("true_cluster").prediction.agg(lambda p: p.mode()[0]).to_dict()
+    assert all(found == expected for found in by_truth.values())
+
+    assert "distance" not in first.transform(rows).columns  # optional, off by default
+    scored = by_row(first.setDistanceCol("distance").setMarginCol("margin").transform(rows), "distance", "margin")
+    assert (scored.distance >= 0).all() and scored.margin.between(-1, 1).all()
+    assert (scored.distance ** 2).sum() == pytest.approx(first.summary.trainingCost, rel=1e-9)

@@ -52,7 +52,7 @@ def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_
     labels = labels_of(spark, out, "first")
     assert labels.count() == n_rows
     assert set(labels.columns) == {"row_id", "device_id", "features", "true_cluster", "cluster_id",
-                                   "local_cluster_id", "run_id", "attempt_id"}
+                                   "local_cluster_id", "distance", "margin", "run_id", "attempt_id"}
     cells = labels.groupBy("true_cluster", "cluster_id").count().toPandas()
     assert adjusted_rand_index(cells.true_cluster, cells.cluster_id, cells["count"]) >= 0.95
     stats = {name: spark.sql(f"SHOW TBLPROPERTIES delta.`{out / name}`").toPandas().set_index("key").value
@@ -122,7 +122,8 @@ def test_shifted_or_scaled_features_give_the_same_labels_and_relative_cost(spark
     tables = {"given": x, **{name.replace(" ", "_").replace("-", "m"): x * scale + shift
                              for name, (scale, shift) in FEATURE_MOVES.items()}}
     common = ["input.features_col=features", "input.truth_col=true_cluster", f"output.path={tmp_path / 'out'}",
-              f"k={FAR_MIXTURE['k']}", f"k_per_device={FAR_MIXTURE['k_per_device']}", "seed=4", *settings]
+              f"k={FAR_MIXTURE['k']}", f"k_per_device={FAR_MIXTURE['k_per_device']}", "seed=4", *settings,
+              "identity.mode=fresh"]  # each table is far from the others: stable ids would make every cluster new
     for run_id, features in tables.items():
         write_parquet_folder(table.set_column(2, "features", features_array(features)), tmp_path / run_id)
         assert run_cli(write_empty_config(tmp_path), f"input.path={tmp_path / run_id}", f"run_id={run_id}",
@@ -201,7 +202,7 @@ def test_the_labelling_pass_sends_only_the_device_and_the_features_to_python(spa
     udf_arguments = re.search(r"\[label_partition\((.*?)\)#", python_nodes[0]).group(1)
     assert re.sub(r"#\d+L?", "", udf_arguments) == "isnull(__kfed_reason), device_id, __kfed_features"
     assert (labelled.note == "row " + labelled.row_id.astype(str)).all()
-    assert list(labelled.columns) == [*raw.columns, "local_cluster_id", "cluster_id"]
+    assert list(labelled.columns) == [*raw.columns, "local_cluster_id", "cluster_id", "distance", "margin"]
 
 
 def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(spark, tmp_path):

@@ -91,6 +91,7 @@ def assert_whole(seen, attempt, k, latest=True):
     for name in ("labels", "latest_labels", "duckdb") if latest else ("labels", "duckdb"):
         assert seen[name] == {attempt: N_ROWS}, name
     assert seen["centers"] == {attempt: k}
+    assert seen["cluster_changes"] == {attempt: k}  # no other run id: every cluster new
     assert set(seen["local_centers"]) == {attempt}
     assert set(seen["device_clusters"]) == {attempt}
     assert seen["quarantine"] == {}

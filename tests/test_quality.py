@@ -2,6 +2,7 @@
 
 import json
 
+from kfed_spark.bench.quality import WARM_START
 from kfed_spark.cli import main
 
 from helpers import needs_shared_data
@@ -18,7 +19,7 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
     assert {row["dataset"] for row in rows} == {"mixture", "mixture-outliers"}
     methods = {row["method"] for row in rows}
     assert "Spark MLlib KMeans (k-means||)" in methods and "scikit-learn KMeans (k-means++)" in methods
-    assert sum(1 for row in rows if row["dataset"] == "mixture") == 27  # 24 combinations, auto, MLlib, sklearn
+    assert sum(1 for row in rows if row["dataset"] == "mixture") == 28  # 24 combinations, auto, warm, MLlib, sklearn
     for row in rows:
         assert -1.0 <= row["ari"] <= 1.0 and 0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0
     outliers = {row["method"]: row for row in rows if row["dataset"] == "mixture-outliers" and row["k_per_device"] == "4"}
@@ -26,8 +27,11 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
     for rule in ("farthest", "kmeanspp"):
         assert outliers[f"k-FED restarts=1 filter=0.25 seeding={rule} labels=induced"]["ari"] >= 0.95
     assert outliers["k-FED restarts=1 filter=0 seeding=farthest labels=induced"]["ari"] < 0.8
+    for dataset in ("mixture", "mixture-outliers"):  # a warm start is no worse than cold seeding
+        ari = {row["method"]: row["ari"] for row in rows if row["dataset"] == dataset}
+        assert ari[WARM_START] >= ari["k-FED restarts=3 filter=0.25 seeding=kmeanspp labels=induced (default)"] - 0.005
     markdown = (out / "quality.md").read_text()
-    assert markdown.count("\n| mixture |") == 27 and "| dataset | method |" in markdown
+    assert markdown.count("\n| mixture |") == 28 and "| dataset | method |" in markdown
     assert "| combination | mixture | mixture-outliers | largest shortfall from the best |" in markdown
     assert "(default)" in markdown and "Smallest largest shortfall: k-FED " in markdown
     assert main(["bench-quality", "--datasets", "cifar", "--out", str(out)]) == 2
@@ -37,7 +41,7 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
 @needs_shared_data
 def test_bench_quality_on_a_real_slice(spark, tmp_path):
     rows = bench_quality_rows(tmp_path / "quality", "mnist")
-    assert len(rows) == 27 and all(0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0 for row in rows)
+    assert len(rows) == 28 and all(0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0 for row in rows)
 
 
 @needs_shared_data

@@ -90,5 +90,6 @@ def test_dry_run_checks_and_prints_the_plan_without_writing(spark, config, tmp_p
     assert main(["run", "--config", str(config), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "features: features (dimension 8)" in out and "dry run: nothing was written" in out
+    assert "cluster ids: stable, matched to the newest published run of another run id" in out
     assert not (tmp_path / "out").exists()
     assert main(["run", "--config", str(config), "--dry-run", "--set", "input.device_col=nope"]) == 2

@@ -71,12 +71,17 @@ def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():
     model = LabelModel.build(**arrays, label_mode="induced")
     batch = with_reasons(rows_batch([9, 7, 7], np.array([[9.0], [9.0], [1.0]])), [None, None, None])
     out = labelled(batch, model, 1)
-    assert out.column_names == ["local_cluster_id", "cluster_id", "__kfed_sq_dist", "non_finite", "__kfed_evaluation"]
+    assert out.column_names == ["local_cluster_id", "cluster_id", "__kfed_sq_dist", "margin", "non_finite",
+                                "__kfed_evaluation"]
     assert out.column("local_cluster_id").to_pylist() == [0, 1, 0]
     assert out.column("cluster_id").to_pylist() == [1, 0, 1]  # device 9's only center is in cluster 1
     assert out.column("__kfed_sq_dist").to_pylist() == [64.0, 1.0, 0.0]
+    # (d_other - d_own) / (d_other + d_own): the first row is nearer the other center than its own
+    np.testing.assert_allclose(out.column("margin").to_pylist(), [-7 / 9, 7 / 9, 1.0])
     nearest = LabelModel.build(**arrays, label_mode="nearest")
     assert labelled(batch, nearest, 1).column("cluster_id").to_pylist() == [0, 0, 1]
+    renamed = LabelModel.build(**arrays, label_mode="induced", cluster_ids=np.array([40, 7]))
+    assert labelled(batch, renamed, 1).column("cluster_id").to_pylist() == [7, 40, 7]  # positions -> published ids
 
 
 

@@ -46,6 +46,9 @@ COMBINATIONS = list(itertools.product(RESTARTS_TRIED, FILTERS_TRIED, SEEDING_RUL
 all with server_refine=lloyd."""
 
 
+WARM_START = "k-FED defaults, warm-started from the centers of a run with another seed (identity.warm_start)"
+
+
 def combination_name(restarts: int, min_size: float, seeding: str, label_mode: str) -> str:
     default = (restarts, min_size, seeding, label_mode) == (
         DEFAULTS.local_restarts, DEFAULTS.robust_min_size, DEFAULTS.seeding, DEFAULTS.label_mode)
@@ -141,6 +144,12 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> list[QualityRo
     params = AlgorithmParams(k=problem.k, k_per_device="auto", seed=seed)
     result = federated_kmeans(problem.x, problem.devices, params)
     add("k-FED default settings", "auto", result.labels, time.perf_counter() - start)
+    params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed)
+    yesterday = federated_kmeans(problem.x, problem.devices, AlgorithmParams(k=problem.k, k_per_device=k_z,
+                                                                             seed=seed + 1))
+    start = time.perf_counter()
+    warm = federated_kmeans(problem.x, problem.devices, params, initial=yesterday.server.centers)
+    add(WARM_START, str(k_z), warm.labels, time.perf_counter() - start)
     add("Spark MLlib KMeans (k-means||)", "-", *mllib_labels(spark, problem, seed, folder))
     add("scikit-learn KMeans (k-means++)", "-", *sklearn_labels(problem, seed))
     reference = rows[-1].cost

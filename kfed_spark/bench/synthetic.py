@@ -107,3 +107,43 @@ def write_mixture(path: str | Path, **kwargs) -> pa.Table:
     table = mixture(**kwargs)
     write_parquet_folder(table, path)
     return table
+
+
+def two_days(k: int = 20, k_per_device: int = 4, devices: int = 200, points_per_device: int = 100, dim: int = 16,
+             seed: int = 0, replaced: float = 0.15) -> tuple[pa.Table, pa.Table]:
+    """Two days of one device population, as a nightly run sees them (columns as mixture()).
+
+    Day 1: k clusters (means as mixture()'s) over `devices` devices, each holding k_per_device of
+    them. Day 2: every device's rows drawn again, a `replaced` share of the devices replaced by new
+    ones (new device ids), cluster 0 moved by one noise standard deviation (a unit step along a random
+    direction), cluster k - 1 gone (its holders hold cluster k instead) and cluster k new.
+    """
+    rng = np.random.default_rng([seed, 0x2DA45])
+    means = rng.normal(0.0, MEAN_SCALE, size=(k + 1, dim))
+    step = rng.standard_normal(dim)
+    day_two_means = means.copy()
+    day_two_means[0] += step / np.linalg.norm(step)
+    held = np.array([device_rng(seed, ("held", device)).choice(k, size=k_per_device, replace=False)
+                     for device in range(devices)])
+    n_replaced = int(round(replaced * devices))
+    replacing = held[:n_replaced].copy()  # a replaced device's successor holds what it held
+    day_two_held = np.concatenate([held[n_replaced:], replacing])
+    day_two_held[day_two_held == k - 1] = k
+    day_two_ids = np.concatenate([np.arange(n_replaced, devices), np.arange(devices, devices + n_replaced)])
+
+    def day(day_means, day_held, ids, key) -> pa.Table:
+        parts, truths = [], []
+        for device, clusters in zip(ids, day_held):
+            draw = device_rng(seed, (key, int(device)))
+            truth = clusters[draw.integers(0, k_per_device, size=points_per_device)]
+            parts.append(day_means[truth] + draw.standard_normal((points_per_device, dim)))
+            truths.append(truth.astype(np.int32))
+        features = np.concatenate(parts)
+        return pa.table({
+            "row_id": pa.array(np.arange(len(features), dtype=np.int64)),
+            "device_id": pa.array(np.repeat(np.asarray(ids, dtype=np.int64), points_per_device)),
+            "features": features_array(features),
+            "true_cluster": pa.array(np.concatenate(truths)),
+        })
+
+    return day(means, held, np.arange(devices), "day-1"), day(day_two_means, day_two_held, day_two_ids, "day-2")

@@ -1,0 +1,194 @@
+"""Runs that mean the same thing tomorrow: stable cluster ids, the record of what changed, each row's
+distance and margin."""
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+
+from kfed_spark.bench.datasets import write_parquet_folder
+from kfed_spark.bench.synthetic import mixture, two_days
+from kfed_spark.cli import main
+from kfed_spark.identity import ClusterSummary, match_clusters
+from kfed_spark.kernels import assigned_with_margin, local_clusterings, server_step
+from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.params import AlgorithmParams
+from kfed_spark.workers import feature_matrix
+
+from helpers import MIXTURE, published, report_folder, run_cli, runs_of
+
+K = 20
+
+
+def summary(table, params, initial=None) -> tuple[ClusterSummary, np.ndarray]:
+    """The federated clustering of a table's rows, as matching knows it, and each row's cluster position."""
+    x, devices = feature_matrix(table.column("features")), table.column("device_id").to_numpy()
+    local = local_clusterings(x, devices, params)
+    server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
+    gap = x[:, None, :] - server.centers[None]
+    labels = np.argmin((gap ** 2).sum(axis=2), axis=1)
+    sse = np.bincount(labels, weights=((x - server.centers[labels]) ** 2).sum(axis=1), minlength=params.k)
+    return ClusterSummary(np.arange(params.k), server.centers, np.bincount(labels, minlength=params.k), sse,
+                          np.ones(params.k, dtype=np.int64)), labels
+
+
+def test_matching_keeps_the_persistent_clusters_and_no_shift_or_scale_changes_it():
+    params = AlgorithmParams(k=K, k_per_device=4)
+    day_one, day_two = two_days(k=K)
+    (before, labels_one), (after, labels_two) = summary(day_one, params), summary(day_two, params)
+    truth_one, truth_two = (t.column("true_cluster").to_numpy() for t in (day_one, day_two))
+    before = dataclasses.replace(before, ids=np.arange(100, 100 + K))  # yesterday's ids
+    matching = match_clusters(after, before, next_id=500)
+    id_of_truth_one = {t: 100 + np.bincount(labels_one[truth_one == t]).argmax() for t in range(K)}
+    id_of_truth_two = {t: matching.ids[np.bincount(labels_two[truth_two == t]).argmax()] for t in np.unique(truth_two)}
+    assert all(id_of_truth_one[t] == id_of_truth_two[t] for t in range(K - 1))
+    assert id_of_truth_two[K] == 500 and list(before.ids[matching.retired]) == [id_of_truth_one[K - 1]]
+    moved = np.nanargmax(matching.center_shift)
+    assert matching.ids[moved] == id_of_truth_two[0]
+    for scale, shift in ((1e-6, 0.0), (1.0, 1e9), (3.0, -7.0)):
+        def moved_by(s: ClusterSummary) -> ClusterSummary:
+            return dataclasses.replace(s, centers=s.centers * scale + shift, sse=s.sse * scale ** 2)
+        again = match_clusters(moved_by(after), moved_by(before), next_id=500)
+        np.testing.assert_array_equal(again.ids, matching.ids)
+        np.testing.assert_allclose(again.relative_shift, matching.relative_shift, rtol=1e-6)
+
+
+def test_a_cluster_beyond_the_gate_is_new_even_when_it_is_the_only_candidate():
+    one = ClusterSummary(np.array([7]), np.array([[0.0, 0.0]]), np.array([100]), np.array([200.0]), np.array([3]))
+    near = ClusterSummary(np.array([0]), np.array([[0.5, 0.0]]), np.array([100]), np.array([200.0]), np.array([3]))
+    far = ClusterSummary(np.array([0]), np.array([[5.0, 0.0]]), np.array([100]), np.array([200.0]), np.array([3]))
+    assert list(match_clusters(near, one, next_id=8).ids) == [7]  # moved by a third of its spread
+    gone = match_clusters(far, one, next_id=8)  # moved by three and a half times its spread
+    assert list(gone.ids) == [8] and list(gone.retired) == [0] and gone.status == ["new"]
+
+
+def test_a_warm_start_from_yesterday_finds_today_s_clusters():
+    """Seeds from day 1's centers: the gone cluster's seed is dropped, the new cluster is seeded by the rule."""
+    day_one, day_two = two_days(k=K)
+    truth = day_two.column("true_cluster").to_numpy()
+    for seeding in ("kmeanspp", "farthest"):
+        params = AlgorithmParams(k=K, k_per_device=4, seeding=seeding)
+        yesterday, _ = summary(day_one, params)
+        _, cold = summary(day_two, params)
+        _, warm = summary(day_two, params, initial=yesterday.centers)
+        assert adjusted_rand_index(truth, warm) >= adjusted_rand_index(truth, cold) - 0.005
+        assert adjusted_rand_index(truth, warm) > 0.99
+
+
+def test_the_margin_is_a_ratio_of_distances():
+    centers = np.array([[0.0], [10.0]])
+    x = np.array([[1.0], [5.0], [9.0], [0.0]])
+    cluster, sq_dist, margin = assigned_with_margin(x, centers, np.array([-1, -1, 0, -1]))
+    assert list(cluster) == [0, 0, 0, 0] and list(sq_dist) == [1.0, 25.0, 81.0, 0.0]
+    np.testing.assert_allclose(margin, [0.8, 0.0, -0.8, 1.0])  # the third row is nearer the other center
+    _, _, alone = assigned_with_margin(x, centers[:1], np.full(4, -1))
+    assert list(alone) == [1.0] * 4  # one cluster: nothing to be confused with
+
+
+def day_config(tmp_path, data) -> "Path":
+    path = tmp_path / "kfed.yaml"
+    path.write_text(f"""
+input: {{path: "{data}", format: parquet, truth_col: true_cluster}}
+output: {{path: "{tmp_path / 'out'}"}}
+k: {K}
+k_per_device: 4
+seed: 5
+report: false
+""")
+    return path
+
+
+def sql(query: str, out, capsys) -> pd.DataFrame:
+    """A query's answer as `kfed-spark sql` prints it (whitespace-separated columns)."""
+    capsys.readouterr()
+    assert main(["sql", query, "--output", str(out)]) == 0
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    return pd.DataFrame([line.split() for line in lines], columns=header.split())
+
+
+def ids_by_truth(spark, out, run_id) -> dict[int, int]:
+    """Each planted cluster's published cluster id in a run (the id most of its rows took)."""
+    labels = published(spark, out, "labels").filter(f"run_id = '{run_id}'").select("true_cluster", "cluster_id")
+    counts = labels.groupBy("true_cluster", "cluster_id").count().toPandas()
+    top = counts.sort_values("count", ascending=False).drop_duplicates("true_cluster")
+    return dict(zip(top.true_cluster, top.cluster_id))
+
+
+def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, capsys):
+    day_one, day_two = two_days(k=K)
+    unrelated = mixture(k=K, k_per_device=4, devices=200, points_per_device=100, dim=16, seed=99)
+    for name, table in (("day1", day_one), ("day2", day_two), ("other", unrelated)):
+        write_parquet_folder(table, tmp_path / name)
+    config = day_config(tmp_path, tmp_path / "day1")
+    out = tmp_path / "out"
+    assert run_cli(config, "run_id=day-1", "identity.reference=day-0") == 2  # a backfill's reference must exist
+    assert "identity.reference 'day-0' is not a published run" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not out.exists()
+    assert run_cli(config, "run_id=day-1") == 0
+    assert run_cli(config, "run_id=day-2", f"input.path={tmp_path / 'day2'}", "report=true") == 0
+
+    before, after = ids_by_truth(spark, out, "day-1"), ids_by_truth(spark, out, "day-2")
+    persistent = range(K - 1)  # planted cluster K - 1 is gone on day 2, K is new
+    assert sum(before[t] == after[t] for t in persistent) >= 18
+    assert after[K] not in before.values() and after[K] > max(before.values())
+    changes = sql("SELECT cluster_id, status, reference_run_id, center_shift FROM latest_cluster_changes", out, capsys)
+    status = dict(zip(changes.cluster_id.astype(int), changes.status))
+    assert status[after[K]] == "new" and status[before[K - 1]] == "retired"
+    assert set(changes.reference_run_id) == {"day-1"}
+    kept = changes[changes.status == "kept"]
+    assert kept.cluster_id.astype(int)[kept.center_shift.astype(float).idxmax()] == after[0]  # the moved one
+    folder = report_folder(out, "day-2")
+    since = json.loads((folder / "report.json").read_text())["since_reference"]
+    assert (since["reference_run_id"], since["new"], since["retired"]) == ("day-1", [after[K]], [before[K - 1]])
+    assert since["largest_shift"]["cluster_id"] == after[0] and 'alt="since_reference"' in (
+        folder / "report.html").read_text()
+    [row] = [r for r in runs_of(spark, out) if r.run_id == "day-2"]
+    assert (row.identity_mode, row.reference_run_id, row.highest_cluster_id) == ("stable", "day-1", max(after.values()))
+
+    # Each row's distance and margin, against numpy from the published centers; the squares add up to the cost.
+    labels = published(spark, out, "labels").filter("run_id = 'day-2'").toArrow()
+    centers = published(spark, out, "centers").filter("run_id = 'day-2'").toPandas()
+    by_id = {int(c): np.asarray(v) for c, v in zip(centers.cluster_id, centers.center)}
+    x = feature_matrix(labels.column("features"))
+    ids = labels.column("cluster_id").to_numpy()
+    distances = np.sqrt(((x[:, None, :] - np.stack(list(by_id.values()))[None]) ** 2).sum(axis=2))
+    own = np.linalg.norm(x - np.stack([by_id[i] for i in ids]), axis=1)
+    position = {cluster: j for j, cluster in enumerate(by_id)}
+    distances[np.arange(len(ids)), [position[i] for i in ids]] = np.inf
+    other = distances.min(axis=1)
+    np.testing.assert_allclose(labels.column("distance").to_numpy(), own, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(labels.column("margin").to_numpy(), (other - own) / (other + own), rtol=1e-9,
+                               atol=1e-12)
+    np.testing.assert_allclose(np.sum(labels.column("distance").to_numpy() ** 2), row.cost, rtol=1e-9)
+
+    # Day 2 again: the same ids. Unrelated data: every cluster is new.
+    assert run_cli(config, "run_id=day-2", f"input.path={tmp_path / 'day2'}") == 0
+    assert ids_by_truth(spark, out, "day-2") == after
+    assert run_cli(config, "run_id=other", f"input.path={tmp_path / 'other'}") == 0
+    changes = sql("SELECT status, count(*) AS n FROM latest_cluster_changes GROUP BY status ORDER BY status", out,
+                  capsys)
+    assert dict(zip(changes.status, changes.n.astype(int))) == {"new": K, "retired": K}
+
+
+def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, config, tmp_path):
+    """The previous release wrote runs without the identity columns, labels without distance and margin,
+    and no cluster_changes (made here from a run of this one): the next run adds them before any work and
+    matches its clusters to the old run's, whose ids were 0..k-1."""
+    out = tmp_path / "out"
+    assert run_cli(config) == 0
+    for name, added in (("runs", ["identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id"]),
+                        ("labels", ["distance", "margin"])):
+        older = spark.read.format("delta").load(str(out / name)).drop(*added).cache()
+        older.count()
+        (older.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+         .partitionBy("run_id", "attempt_id").save(str(out / name)))
+        older.unpersist()
+    shutil.rmtree(out / "cluster_changes")
+    assert run_cli(config, "run_id=second") == 0
+    runs = {row.run_id: row for row in runs_of(spark, out)}
+    assert (runs["first"].identity_mode, runs["second"].reference_run_id) == (None, "first")
+    changes = published(spark, out, "cluster_changes").toPandas()
+    assert set(changes.status) == {"kept"} and sorted(changes.cluster_id) == list(range(MIXTURE["k"]))
+    assert published(spark, out, "labels").filter("run_id = 'first' AND distance IS NOT NULL").isEmpty()
