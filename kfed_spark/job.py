@@ -163,16 +163,16 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
     writes: list[Future] = []
     try:
         faults.point("claimed")
+        highest = highest_cluster_id(known, run_id)
         if parent is None:
             clustering, (matching, summary, reference) = fit_with_ids(
-                checked, dim, raw.schema[device_col].dataType, cfg, timer, reference_read,
-                highest_cluster_id(known, run_id) + 1)
+                checked, dim, raw.schema[device_col].dataType, cfg, timer, reference_read, highest + 1)
         else:  # the model's ids
             clustering, matching, reference = apply_model(checked, dim, cfg, parent, timer), None, None
         row.update(identity_mode=None if parent is not None else cfg.identity.mode,
                    reference_run_id=None if reference is None else reference.run_id,
                    reference_attempt_id=None if reference is None else reference.attempt_id,
-                   highest_cluster_id=max(highest_cluster_id(known, run_id), int(np.max(clustering.cluster_ids))))
+                   highest_cluster_id=max(highest, int(np.max(clustering.cluster_ids))))
         if cfg.on_bad_rows == "fail":
             refuse_bad_rows(label_rows(clustering.checked, clustering.model, raw.schema, device_col, dim))
         # The global and local centers are written while the labels are, the report while the other tables are.
