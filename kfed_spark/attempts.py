@@ -32,6 +32,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from pyspark.sql.types import (
+    ArrayType,
     BooleanType,
     DoubleType,
     IntegerType,
@@ -51,6 +52,16 @@ log = logging.getLogger("kfed_spark")
 RUNNING, SUCCEEDED, SUPERSEDED, FAILED, ABANDONED = "running", "succeeded", "superseded", "failed", "abandoned"
 FINISHED_UNPUBLISHED = (FAILED, ABANDONED, SUPERSEDED)
 """Statuses whose rows no reader sees and the tidy-up deletes."""
+
+K_SWEEP_TYPE = StructType([
+    StructField("k", IntegerType(), False),
+    StructField("sse", DoubleType(), False),
+    StructField("bic", DoubleType(), False),
+    StructField("silhouette", DoubleType(), False),
+    StructField("noise_ratio", DoubleType(), True),
+    StructField("stability", DoubleType(), True),
+])
+"""One k of a k auto run's sweep (kfed_spark.k_sweep.KFigures without its seconds)."""
 
 RUNS_SCHEMA = StructType(
     [
@@ -91,6 +102,8 @@ RUNS_SCHEMA = StructType(
         StructField("reference_run_id", StringType(), True),
         StructField("reference_attempt_id", StringType(), True),
         StructField("highest_cluster_id", IntegerType(), True),
+        StructField("k_range", ArrayType(IntegerType(), False), True),
+        StructField("k_sweep", ArrayType(K_SWEEP_TYPE, False), True),
     ]
 )
 

@@ -156,6 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print report.json as it is")
     report.set_defaults(handler=command_report)
 
+    choose_k = commands.add_parser(
+        "choose-k", help="sweep k over a published run's local centers (no pass over the rows), print every k's "
+        "figures and the recommended k, and store the sweep beside the run's report",
+    )
+    choose_k.add_argument("--k", dest="k_range", required=True, type=k_range_argument, metavar="LO:HI[:STEP]",
+                          help="the ks to sweep, both ends included, e.g. 2:100 or 10:200:10")
+    choose_k.add_argument("--run", metavar="RUN_ID", help="the published run whose local centers to sweep "
+                          "(default: the newest succeeded run)")
+    choose_k.add_argument("--output", help="the output location (default: output.path of --config)")
+    choose_k.add_argument("--config", help="YAML config whose output.path and spark settings to use")
+    choose_k.add_argument("--json", action="store_true", help="print the sweep as one JSON object on stdout")
+    choose_k.set_defaults(handler=command_choose_k)
+
     package = commands.add_parser(
         "package", help="build what spark-submit ships to executors: the package zip and a packed environment"
     )
@@ -472,6 +485,40 @@ def command_report(args: argparse.Namespace) -> int:
 
     raw = output_session(args).read_report(args.run_id)
     print(raw.decode() if args.json else terminal_text(json.loads(raw)))
+    return 0
+
+
+def k_range_argument(text: str) -> list[int]:
+    from kfed_spark.k_sweep import k_values
+
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError(text)
+        return k_values(*[int(part) for part in parts])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI or LO:HI:STEP with 1 <= LO <= HI, got {text!r}") from None
+
+
+def command_choose_k(args: argparse.Namespace) -> int:
+    """The sweep over the run's published attempt only: a failed or superseded attempt's centers are never read."""
+    import json
+
+    from kfed_spark.models import stored_model
+    from kfed_spark.report import k_sweep_files
+
+    tables = output_session(args)
+    model = stored_model(tables, args.run)
+    sweep = model.sweep(args.k_range)
+    files = k_sweep_files(sweep, model.origin, model.attempt_id)
+    tables.write_report(model.origin, model.attempt_id, files)
+    where = tables.report_dir(model.origin, model.attempt_id)
+    if args.json:
+        print(json.dumps({"run_id": model.origin, "attempt_id": model.attempt_id, "stored_in": where,
+                          **sweep.as_dict()}, sort_keys=True))
+    else:
+        print(f"k sweep of run {model.origin} (attempt {model.attempt_id}): {sweep.n_local_centers} local centers of "
+              f"{sweep.n_rows} rows\n{sweep.text()}\nstored in {where}/{{{','.join(files)}}}")
     return 0
 
 

@@ -25,6 +25,7 @@ from pyspark.sql import DataFrame
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
 from kfed_spark.fitting import REASON_COL, LocalCenters, fit, labelled_plan
 from kfed_spark.identity import match_clusters
+from kfed_spark.k_sweep import KSweep, k_values
 from kfed_spark.io import OutputTables
 from kfed_spark.models import SAVED_LOCAL_CENTERS, StoredModel, read_saved, saved_cluster_ids, stored_model
 from kfed_spark.params import AlgorithmParams
@@ -40,6 +41,8 @@ def _converter(kind: str):
     """The Param type converter for an AlgorithmParams field's annotation."""
     if kind == "int | str":
         return lambda value: value if isinstance(value, str) else TypeConverters.toInt(value)
+    if kind == "tuple[int, int]":
+        return lambda value: tuple(TypeConverters.toListInt(value))
     return {"int": TypeConverters.toInt, "float": TypeConverters.toFloat, "str": TypeConverters.toString}[kind]
 
 
@@ -126,7 +129,8 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         local = clustering.local.table.append_column(
             "cluster_id", pa.array(clustering.cluster_ids[clustering.server.assignment], type=pa.int32()))
         model = KFedModel()._with_state(StoredModel.of(clustering.server.centers, clustering.cluster_ids, local, "fit"))
-        return self._copyValues(model)
+        model._k_sweep = clustering.k_sweep
+        return self._copyValues(model)._set(k=len(clustering.server.centers))
 
     def write(self) -> MLWriter:
         return _DataFrameWriter(self)
@@ -152,6 +156,7 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
     def __init__(self):
         super().__init__()
         self._stored: StoredModel | None = None
+        self._k_sweep: KSweep | None = None
 
     def _with_state(self, stored: StoredModel) -> "KFedModel":
         self._stored = stored
@@ -172,6 +177,7 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         stored = stored_model(OutputTables(SparkSession.active(), OutputConfig(path=output_path)), run_id)
         model = cls()._with_state(stored)
         settings = {name: stored.config[spec.name] for name, spec in ALGORITHM_PARAMS.items() if spec.name in stored.config}
+        settings["k"] = len(stored.centers)  # a k auto run's chosen k
         columns = {"deviceCol": stored.config["input"]["device_col"], "featuresCol": stored.config["input"]["features_col"]}
         return model._set(**settings, **{name: value for name, value in columns.items() if isinstance(value, str)})
 
@@ -196,6 +202,17 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         """The id of each global center: what predictionCol holds (0..k-1 for a model fitted here; a run's
         stable ids for a model from_run)."""
         return self._stored.cluster_ids.tolist()
+
+    @property
+    def kSweep(self) -> KSweep | None:
+        """With k="auto": the sweep of kRange that chose this model's k (kfed_spark.k_sweep); else None."""
+        return self._k_sweep
+
+    def sweepK(self, kRange: tuple[int, int], step: int = 1) -> KSweep:
+        """The server step for every k of kRange (both ends included, every step-th) over this model's local
+        centers, with each k's exact SSE, BIC, silhouette, noise ratio and, for the candidates, stability, and
+        the recommended k (kfed_spark.k_sweep): no pass over the rows. Refit with that k, or with k="auto"."""
+        return self._stored.sweep(k_values(kRange[0], kRange[1], step), AlgorithmParams.of(self._config()))
 
     @property
     def localCenters(self) -> DataFrame:

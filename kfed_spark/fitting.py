@@ -43,6 +43,7 @@ from kfed_spark.errors import InputError, KFedError
 from kfed_spark.evaluation import EvaluationSpec
 from kfed_spark.identity import ClusterSummary
 from kfed_spark.io import read_side_table
+from kfed_spark.k_sweep import KSweep, k_values, sweep
 from kfed_spark.kernels import LabelModel, ServerClustering, nearest_center, server_step
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import (
@@ -115,12 +116,13 @@ class Clustering:
     server: ServerClustering
     model: LabelModel
     cluster_ids: np.ndarray  # the published id of each global center (kfed_spark.identity)
+    k_sweep: KSweep | None = None  # with k 'auto': the sweep that chose the k
 
     def clusters(self) -> ClusterSummary:
         """The global clusters as identity matching knows them, under their positions as ids."""
         local, server = self.local, self.server
         return ClusterSummary.of(np.arange(len(server.centers)), server.centers, server.assignment, local.centers,
-                                 local.counts, local.table.column("sse").to_numpy(), local.devices)
+                                 local.counts, local.sse, local.devices)
 
     def with_ids(self, cluster_ids: np.ndarray) -> "Clustering":
         """The same clustering with its global clusters published under these ids."""
@@ -147,9 +149,11 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
     The server step runs on the driver, or distributed (kfed_spark.distributed) as cfg.server_step
     says; unless it is "driver", the local centers are cached and counted, and "auto" picks by
     their number. Either way the driver ends up with every local center, for the labelling model:
-    what leaves the driver with "distributed" is the merge, the server step's memory and work."""
+    what leaves the driver with "distributed" is the merge, the server step's memory and work.
+
+    With k 'auto' the local centers come to the driver and the sweep over k_range (kfed_spark.k_sweep)
+    chooses k before the server step; the sweep runs on the driver whatever server_step says."""
     valid = checked.filter(F.col(REASON_COL).isNull())
-    params = AlgorithmParams.of(cfg)
     with timer.stage("local_step"):
         frame = local_centers_frame(valid, cfg, dim, device_type)
         where = cfg.server_step
@@ -158,11 +162,18 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
             n_local = frame.count()  # the local step runs here; the server step reads the cached result
             if where == "auto":
                 where = "distributed" if n_local > cfg.server_distributed_above else "driver"
-        local = LocalCenters.from_arrow(frame.toArrow(), dim) if where == "driver" else None
+        local = LocalCenters.from_arrow(frame.toArrow(), dim) if where == "driver" or cfg.k == "auto" else None
+    chosen = None
+    if cfg.k == "auto" and len(local.counts):
+        with timer.stage("k_sweep"):
+            chosen = local.sweep(k_values(*cfg.k_range), AlgorithmParams.of(cfg))
+        log.info("k auto: the sweep of k = %d..%d recommends k = %d", *cfg.k_range, chosen.recommended_k)
+        cfg = dataclasses.replace(cfg, k=chosen.recommended_k)
+    params = AlgorithmParams.of(cfg)
     try:
         with timer.stage("server_step"):
             try:
-                if local is not None:
+                if where == "driver":
                     local, server = merged_on_driver(local, params, warm_start())
                 else:
                     if warm_start() is not None:
@@ -180,7 +191,7 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
         where, len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
     )
     return Clustering(checked, dim, local, server, local.label_model(server.assignment, server.centers, cfg.label_mode),
-                      np.arange(len(server.centers)))
+                      np.arange(len(server.centers)), chosen)
 
 
 def merged_on_driver(local: LocalCenters, params: AlgorithmParams, initial: np.ndarray | None = None
@@ -291,6 +302,7 @@ class LocalCenters:
     ids: np.ndarray
     centers: np.ndarray
     counts: np.ndarray
+    sse: np.ndarray
 
     @classmethod
     def from_arrow(cls, table: pa.Table, dim: int) -> "LocalCenters":
@@ -300,7 +312,15 @@ class LocalCenters:
             ids=table.column("local_cluster_id").to_numpy(),
             centers=feature_matrix(table.column("center"), dim),
             counts=table.column("n_points").to_numpy(),
+            sse=table.column("sse").to_numpy(),
         )
+
+    def sweep(self, ks: list[int], params: AlgorithmParams) -> KSweep:
+        """The server step for every k of ks over these local centers, with its figures (kfed_spark.k_sweep)."""
+        try:
+            return sweep(self.centers, self.counts, self.sse, self.devices, self.ids, ks, params)
+        except ValueError as exc:  # k above the distinct local centers, or below a device's count with farthest
+            raise KFedError(f"the k sweep cannot run: {exc}") from None
 
     def label_model(self, assignment: np.ndarray, centers: np.ndarray, label_mode: str,
                     label_unseen: bool = False, cluster_ids: np.ndarray | None = None) -> LabelModel:
@@ -319,7 +339,7 @@ def local_centers_frame(valid: DataFrame, cfg: KFedConfig, dim: int, device_type
     """Alg. 1 on every device, as a DataFrame of local centers (LOCAL_CENTER_COLUMNS)."""
     fixed = not isinstance(cfg.k_per_device, str)
     spec = LocalStepSpec(
-        cfg.k_per_device if fixed else min(cfg.k, cfg.k_per_device_max),
+        cfg.k_per_device if fixed else min(cfg.largest_k, cfg.k_per_device_max),
         AlgorithmParams.of(cfg),
         dim,
         to_arrow_type(device_type),
@@ -348,10 +368,10 @@ def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:
         if not isinstance(rows.schema[DEVICE_K_COL].dataType, NumericType):
             raise InputError(f"k_per_device column {source!r} is not numeric")
         k_z = F.col(DEVICE_K_COL)
-        bad = rows.filter(k_z.isNull() | (k_z < 1) | (k_z > cfg.k) | (k_z != F.floor(k_z))).first()
+        bad = rows.filter(k_z.isNull() | (k_z < 1) | (k_z > cfg.largest_k) | (k_z != F.floor(k_z))).first()
         if bad is not None:
             raise InputError(
-                f"k_per_device from {source!r} must be a whole number in [1, k = {cfg.k}] for every device; "
+                f"k_per_device from {source!r} must be a whole number in [1, k = {cfg.largest_k}] for every device; "
                 f"device {bad[device_col]!r} has {bad[DEVICE_K_COL]!r}"
             )
         rows = rows.withColumn(DEVICE_K_COL, k_z.cast("int"))

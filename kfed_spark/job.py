@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, IntegerType, LongType, StringType, StructField, StructType
 
 from kfed_spark import faults, report
-from kfed_spark.attempts import RUNS_SCHEMA, Attempt, Ledger, highest_cluster_id, new_attempt_id, reference_attempt
+from kfed_spark.attempts import K_SWEEP_TYPE, RUNS_SCHEMA, Attempt, Ledger, highest_cluster_id, new_attempt_id, reference_attempt
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import ConfigError, InputError, KFedError, describe
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
@@ -50,6 +50,7 @@ from kfed_spark.identity import (
     largest_share,
     match_clusters,
 )
+from kfed_spark.k_sweep import KSweep
 from kfed_spark.kernels import ServerClustering
 from kfed_spark.models import StoredModel, finished_model, reference_run
 from kfed_spark.metrics import ari_of
@@ -169,7 +170,8 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
                 checked, dim, raw.schema[device_col].dataType, cfg, timer, reference_read, highest + 1)
         else:  # the model's ids
             clustering, matching, reference = apply_model(checked, dim, cfg, parent, timer), None, None
-        row.update(identity_mode=None if parent is not None else cfg.identity.mode,
+        row.update(k=len(clustering.server.centers), k_sweep=k_sweep_column(clustering.k_sweep),
+                   identity_mode=None if parent is not None else cfg.identity.mode,
                    reference_run_id=None if reference is None else reference.run_id,
                    reference_attempt_id=None if reference is None else reference.attempt_id,
                    highest_cluster_id=max(highest, int(np.max(clustering.cluster_ids))))
@@ -460,7 +462,10 @@ def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCen
 
 def write_run_report(tables: OutputTables, attempt: Attempt, summary: dict, cfg: KFedConfig, clustering: Clustering,
                      evaluation: Evaluation, changes: pa.Table | None = None) -> None:
-    tables.write_report(attempt.run_id, attempt.attempt_id, run_report(summary, cfg, clustering, evaluation, changes))
+    files = run_report(summary, cfg, clustering, evaluation, changes)
+    if clustering.k_sweep is not None:
+        files.update(report.k_sweep_files(clustering.k_sweep, attempt.run_id, attempt.attempt_id))
+    tables.write_report(attempt.run_id, attempt.attempt_id, files)
 
 
 def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, evaluation: Evaluation,
@@ -492,7 +497,9 @@ def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: st
         "started_at": started_at,
         "finished_at": None,
         "input": inp.table or f"{inp.format}:{inp.path}",
-        "k": cfg.k,
+        "k": 0 if cfg.k == "auto" else cfg.k,  # a k auto run's, once its sweep has chosen
+        "k_range": list(cfg.k_range) if cfg.k == "auto" else None,
+        "k_sweep": None,
         "k_per_device": str(cfg.k_per_device),
         "seed": cfg.seed,
         "seeding": cfg.seeding,
@@ -510,6 +517,13 @@ def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: st
 
 RESULT_COLUMNS = ("dim", "n_input", "n_labelled", "n_quarantined", "n_devices", "n_local_centers", "cost", "ari",
                   "truth_cost")
+
+
+def k_sweep_column(sweep: KSweep | None) -> list[tuple] | None:
+    """The runs row's k_sweep (attempts.K_SWEEP_TYPE), None for a run whose k was given."""
+    if sweep is None:
+        return None
+    return [tuple(getattr(f, name) for name in K_SWEEP_TYPE.names) for f in sweep.figures]
 
 
 def result_columns(result: RunResult) -> dict:
@@ -531,7 +545,8 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
             f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
             f"  columns: {', '.join(f'{f.name} {f.dataType.simpleString()}' for f in raw.schema.fields)}",
             f"  device column: {cfg.input.device_col}; features: {cfg.input.features_col} (dimension {dim})",
-            f"k-FED: k = {cfg.k}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
+            (f"k-FED: k = auto (after the local step, a sweep of k = {cfg.k_range[0]}..{cfg.k_range[1]} over the "
+             "local centers chooses it)" if cfg.k == "auto" else f"k-FED: k = {cfg.k}") + f", k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
             f"local_restarts = {cfg.local_restarts}, seeding = {cfg.seeding}, robust_min_size = {cfg.robust_min_size}, "
             f"server_refine = {cfg.server_refine}, server_step = {cfg.server_step}, label_mode = {cfg.label_mode}, "
             f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",

@@ -830,18 +830,19 @@ class DeviceClusterings:
     local_ids: np.ndarray  # (m,) position of each local center within its device
     centers: np.ndarray  # (m, d)
     counts: np.ndarray  # (m,)
+    sse: np.ndarray  # (m,)
 
 
 def local_clusterings(x: np.ndarray, devices: np.ndarray, params: AlgorithmParams = DEFAULTS) -> DeviceClusterings:
     """Alg. 1 on every device's rows, with params' k_per_device (a number or "auto": each device's
-    estimate_local_k, at most min(k, k_per_device_max)), local_restarts, max_iter, tol and seed."""
+    estimate_local_k, at most min(largest_k, k_per_device_max)), local_restarts, max_iter, tol and seed."""
     order = np.argsort(devices, kind="stable")
     keys, starts = np.unique(devices[order], return_index=True)
     ends = np.append(starts[1:], len(order))
     results = []
     for key, s, e in zip(keys, starts, ends):
         rows = x[order[s:e]]
-        k_z = (estimate_local_k(rows, min(params.k, params.k_per_device_max)) if params.k_per_device == "auto"
+        k_z = (estimate_local_k(rows, min(params.largest_k, params.k_per_device_max)) if params.k_per_device == "auto"
                else params.k_per_device)
         results.append(local_step(rows, k_z, device_rng(params.seed, plain(key)), params))
     per_device = np.array([len(r.counts) for r in results])
@@ -850,6 +851,7 @@ def local_clusterings(x: np.ndarray, devices: np.ndarray, params: AlgorithmParam
         np.concatenate([np.arange(m) for m in per_device]),
         np.concatenate([r.centers for r in results]),
         np.concatenate([r.counts for r in results]),
+        np.concatenate([r.sse for r in results]),
     )
 
 

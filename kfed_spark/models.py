@@ -18,7 +18,9 @@ from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, LocalCenters
 from kfed_spark.io import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, OutputTables, absolute, concurrently
 from kfed_spark.identity import ClusterSummary, ReferenceRun, largest_share
+from kfed_spark.k_sweep import KSweep
 from kfed_spark.kernels import LabelModel
+from kfed_spark.params import AlgorithmParams
 
 SAVED_LOCAL_CENTERS = "data/local_centers"
 """Where under a saved KFedModel's folder its local centers are (Parquet); the rest is its metadata."""
@@ -38,16 +40,17 @@ class StoredModel:
     assignment: np.ndarray  # position in `centers` of each local center's global cluster
     origin: str
     config: dict | None = None
+    attempt_id: str | None = None  # the run's attempt the model is of; None for a saved KFedModel
 
     @classmethod
     def of(cls, centers: np.ndarray, cluster_ids: np.ndarray, local: pa.Table, origin: str,
-           config: dict | None = None) -> "StoredModel":
+           config: dict | None = None, attempt_id: str | None = None) -> "StoredModel":
         """From centers with their ids and local centers (LOCAL_CENTER_COLUMNS plus their cluster_id)."""
         order = np.argsort(cluster_ids, kind="stable")
         cluster_ids = np.asarray(cluster_ids, dtype=np.int64)[order]
         assignment = np.searchsorted(cluster_ids, local.column("cluster_id").to_numpy())
         return cls(np.asarray(centers, dtype=np.float64)[order], cluster_ids, local.select(LOCAL_CENTER_COLUMNS),
-                   assignment, origin, config)
+                   assignment, origin, config, attempt_id)
 
     @property
     def dim(self) -> int:
@@ -58,6 +61,11 @@ class StoredModel:
         local = LocalCenters.from_arrow(self.local, self.dim)
         return ClusterSummary.of(self.cluster_ids, self.centers, self.assignment, local.centers, local.counts,
                                  self.local.column("sse").to_numpy(), local.devices)
+
+    def sweep(self, ks: list[int], params: AlgorithmParams | None = None) -> KSweep:
+        """The k sweep over the model's local centers (kfed_spark.k_sweep), with params or the run's own."""
+        params = params or AlgorithmParams.of_config(self.config or {})
+        return LocalCenters.from_arrow(self.local, self.dim).sweep(ks, params)
 
     def label_model(self, label_mode: str, label_unseen: bool = False) -> LabelModel:
         return LocalCenters.from_arrow(self.local, self.dim).label_model(self.assignment, self.centers, label_mode,
@@ -97,7 +105,8 @@ def attempt_model(tables: OutputTables, run_id: str, attempt_id: str, config: di
     tables_read = concurrently(lambda name: read[name](), list(read))
     centers = tables_read["centers"]
     return StoredModel.of(np.array(centers.column("center").to_pylist(), dtype=np.float64).reshape(len(centers), -1),
-                          centers.column("cluster_id").to_numpy(), tables_read["local_centers"], run_id, config)
+                          centers.column("cluster_id").to_numpy(), tables_read["local_centers"], run_id, config,
+                          attempt_id)
 
 
 def read_saved(spark: SparkSession, path: str) -> tuple[dict, np.ndarray, pa.Table]:

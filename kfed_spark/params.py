@@ -50,6 +50,18 @@ def one_of(*choices: str) -> Constraint:
     return check
 
 
+def cluster_count(value: object) -> str | None:
+    """k: a number, or 'auto' (the run sweeps k_range and chooses: kfed_spark.k_sweep)."""
+    return None if value == "auto" or integer(1)(value) is None else "an integer >= 1 or 'auto'"
+
+
+def k_range(value: object) -> str | None:
+    if (isinstance(value, (list, tuple)) and len(value) == 2 and integer(1)(value[0]) is None
+            and integer(1)(value[1]) is None and value[0] <= value[1]):
+        return None
+    return "[LO, HI] with 1 <= LO <= HI"
+
+
 def count_source(value: object) -> str | None:
     """k_per_device: a number, 'auto', or the name of a column or side table."""
     if isinstance(value, str):
@@ -65,7 +77,11 @@ def param(default: object, constraint: Constraint, doc: str):
 class AlgorithmParams:
     """What decides the clustering; every other setting says where rows come from and go."""
 
-    k: int = param(8, integer(1), "number of global clusters")
+    k: int | str = param(
+        8, cluster_count, "number of global clusters, or 'auto': after the local step the run sweeps k_range over "
+        "the local centers and takes the k the sweep recommends (kfed_spark.k_sweep), with no extra pass over the rows",
+    )
+    k_range: tuple[int, int] = param((2, 30), k_range, "with k 'auto': the smallest and largest k swept, both included")
     k_per_device: int | str = param(
         2, count_source,
         "local clusters per device: an integer in [1, k], 'auto' (each device estimates its own), "
@@ -119,15 +135,30 @@ class AlgorithmParams:
         """The algorithm's parameters out of anything that has them (a KFedConfig, say), and nothing else."""
         return cls(**{spec.name: getattr(settings, spec.name) for spec in fields(cls)})
 
+    @classmethod
+    def of_config(cls, config: dict) -> "AlgorithmParams":
+        """The parameters a run recorded (its runs row's config, as JSON); a parameter added since takes its default."""
+        values = {spec.name: config[spec.name] for spec in fields(cls) if spec.name in config}
+        if isinstance(values.get("k_range"), list):
+            values["k_range"] = tuple(values["k_range"])
+        return cls(**values)
+
+    @property
+    def largest_k(self) -> int:
+        """k, or with k 'auto' the largest k it may become: the bound of every device's k."""
+        return self.k_range[1] if self.k == "auto" else self.k
+
     def check(self) -> None:
-        """Raise ConfigError for the first value its constraint refuses, or a k_per_device above k."""
+        """Raise ConfigError for the first value its constraint refuses, or a k_per_device above the
+        smallest k the run may take."""
         for spec in fields(AlgorithmParams):
             value = getattr(self, spec.name)
             required = spec.metadata["constraint"](value)
             if required is not None:
                 raise ConfigError(f"{spec.name} must be {required}, got {value!r}")
-        if not isinstance(self.k_per_device, str) and self.k_per_device > self.k:
-            raise ConfigError(f"k_per_device ({self.k_per_device}) must not exceed k ({self.k})")
+        smallest, what = (self.k_range[0], "the smallest k of k_range") if self.k == "auto" else (self.k, "k")
+        if not isinstance(self.k_per_device, str) and self.k_per_device > smallest:
+            raise ConfigError(f"k_per_device ({self.k_per_device}) must not exceed {what} ({smallest})")
 
 
 DEFAULTS = AlgorithmParams()

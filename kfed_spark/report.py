@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kfed_spark.k_sweep import KSweep
 from kfed_spark.metrics import ari_of, matched_accuracy_of, nmi_of, silhouette
 
 SILHOUETTE_SAMPLE_ROWS = 2000
@@ -198,19 +199,71 @@ def _png(fig) -> bytes:
 def render_html(report: dict, images: dict[str, bytes]) -> str:
     """One self-contained page: the summary table and the figures inline as data URIs."""
     rows = "".join(f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td></tr>" for name, value in _lines(report))
+    return _page(f"k-FED run {report['run_id']}", f"<table>{rows}</table>", images)
+
+
+def _page(title: str, body: str, images: dict[str, bytes]) -> str:
     pictures = "".join(
         f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
         f"<figcaption>{html.escape(name.replace('_', ' '))}</figcaption></figure>"
         for name, data in images.items()
     )
-    title = html.escape(f"k-FED run {report['run_id']}")
+    title = html.escape(title)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{title}</title><style>"
         "body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
         "th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left}figure{display:inline-block;margin:1em}"
-        f"</style></head><body><h1>{title}</h1><table>{rows}</table>{pictures}</body></html>\n"
+        f"</style></head><body><h1>{title}</h1>{body}{pictures}</body></html>\n"
     )
+
+
+K_SWEEP_FILES = ("k_sweep.json", "k_sweep.png", "k_sweep.html")
+"""What a k sweep writes beside its run's report (choose-k, and a run with k 'auto')."""
+
+
+def k_sweep_files(sweep: KSweep, run_id: str, attempt_id: str) -> dict[str, bytes]:
+    """The sweep as JSON, a figure of its criteria by k, and a page with both, for the run's report folder."""
+    content = {"run_id": run_id, "attempt_id": attempt_id, **sweep.as_dict()}
+    image = _k_sweep_figure(sweep)
+    header = ["k", "sse", "bic", "silhouette", "noise ratio", "stability"]
+    bold = ' style="font-weight:bold"'
+    cells = "".join(
+        f"<tr{bold if f.k == sweep.recommended_k else ''}><td>{f.k}</td><td>{f.sse:.6g}</td>"
+        f"<td>{f.bic:.8g}</td><td>{f.silhouette:.4f}</td>"
+        f"<td>{'' if f.noise_ratio is None else f'{f.noise_ratio:.3f}'}</td>"
+        f"<td>{'' if f.stability is None else f'{f.stability:.3f}'}</td></tr>"
+        for f in sweep.figures
+    )
+    said = "".join(f"<li>{html.escape(line)}</li>" for line in sweep.disagreements)
+    body = (f"<p>Recommended k = <b>{sweep.recommended_k}</b>: {html.escape(sweep.rule)}.</p>"
+            + (f"<ul>{said}</ul>" if said else "<p>Every criterion agrees.</p>")
+            + f"<p>{sweep.n_local_centers} local centers, {sweep.n_rows} rows, dimension {sweep.dim}.</p>"
+            + "<table><tr>" + "".join(f"<th>{name}</th>" for name in header) + f"</tr>{cells}</table>")
+    return {
+        "k_sweep.json": (json.dumps(content, indent=2) + "\n").encode(),
+        "k_sweep.png": image,
+        "k_sweep.html": _page(f"k-FED k sweep of run {run_id}", body, {"k_sweep": image}).encode(),
+    }
+
+
+def _k_sweep_figure(sweep: KSweep) -> bytes:
+    """The criteria by k, one panel each, the recommended k marked."""
+    from matplotlib.figure import Figure
+
+    ks = [f.k for f in sweep.figures]
+    panels = [("sse", "within-cluster SSE"), ("bic", "BIC (higher is better)"),
+              ("silhouette", "silhouette of the local centers"), ("noise_ratio", "between SSE / sampling noise")]
+    fig = Figure(figsize=(10, 6.5))
+    for ax, (key, label) in zip(fig.subplots(2, 2).ravel(), panels):
+        values = [np.nan if getattr(f, key) is None else getattr(f, key) for f in sweep.figures]
+        ax.plot(ks, values, marker="o", markersize=3, color="#3b6ea8")
+        ax.axvline(sweep.recommended_k, color="#c0392b", linestyle="--", linewidth=1)
+        if key == "noise_ratio":
+            ax.set_yscale("log")
+        ax.set(xlabel="k", title=label)
+    fig.suptitle(f"k sweep: recommended k = {sweep.recommended_k} (dashed)")
+    return _png(fig)
 
 
 def _lines(report: dict) -> list[tuple[str, str]]:

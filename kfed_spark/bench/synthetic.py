@@ -102,6 +102,36 @@ def close_means_mixture(seed: int, k: int = 49, per_device: int = 7, devices: in
     })
 
 
+UNEVEN_DECAY = 0.9
+"""uneven_mixture: cluster j's share of the rows is proportional to UNEVEN_DECAY^j."""
+
+
+def uneven_mixture(seed: int, k: int = 36, k_per_device: int = 4, devices: int = 300, dim: int = 16,
+                   rows: tuple[int, int] = (50, 400)) -> pa.Table:
+    """A heterogeneous mixture of very uneven cluster sizes: well separated means (as mixture()'s), each
+    device holding k_per_device clusters drawn evenly and rows[0] to rows[1] rows, shared among its
+    clusters in proportion to UNEVEN_DECAY^j (at k = 36 the rarest clusters hold under 1% of the rows).
+    Columns as mixture()."""
+    means = np.random.default_rng([seed, 0x5EED]).normal(0.0, MEAN_SCALE, size=(k, dim))
+    share = UNEVEN_DECAY ** np.arange(k)
+    parts, truths, owners = [], [], []
+    for device in range(devices):
+        rng = device_rng(seed, ("uneven", device))
+        held = rng.choice(k, size=k_per_device, replace=False)
+        n = int(rng.integers(rows[0], rows[1] + 1))
+        truth = held[rng.choice(k_per_device, size=n, p=share[held] / share[held].sum())]
+        parts.append(means[truth] + rng.standard_normal((n, dim)))
+        truths.append(truth.astype(np.int32))
+        owners.append(np.full(n, device, dtype=np.int64))
+    features = np.concatenate(parts)
+    return pa.table({
+        "row_id": pa.array(np.arange(len(features), dtype=np.int64)),
+        "device_id": pa.array(np.concatenate(owners)),
+        "features": features_array(features),
+        "true_cluster": pa.array(np.concatenate(truths)),
+    })
+
+
 def write_mixture(path: str | Path, **kwargs) -> pa.Table:
     """Write mixture(**kwargs) as one Parquet file inside the folder path; returns the table."""
     table = mixture(**kwargs)
