@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kfed_spark.bench.benchmark import ONE_RESTART, benchmark, run_mllib
-from kfed_spark.bench.processes import KFED, MLLIB, PASSES
+from kfed_spark.bench.processes import KFED, MLLIB, PASSES, SWEEP
 from kfed_spark.bench.synthetic import write_mixture
 
 
@@ -52,8 +52,9 @@ def test_the_fresh_process_benchmark_times_each_contender_as_its_own_process(tmp
     saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
     assert set(saved) == {"fresh"}
     fresh = saved["fresh"]
-    assert fresh["rows"] == 1200 and [run["name"] for run in fresh["runs"]] == [KFED, MLLIB, PASSES]
-    kfed, mllib, passes = fresh["runs"]
+    assert fresh["rows"] == 1200 and [run["name"] for run in fresh["runs"]] == [
+        KFED, f"{SWEEP}, k = 2..60", MLLIB, PASSES]  # 30 devices x 2 local centers cap the sweep at 60
+    kfed, sweep, mllib, passes = fresh["runs"]
     assert list(kfed["stages"])[:3] == ["session", "validate", "claim"] and "publish" in kfed["stages"]
     for run in fresh["runs"]:  # the stages and the rest add up to the wall time
         assert run["seconds"] > 0 and abs(sum(run["stages"].values()) - run["seconds"]) < 0.01
@@ -62,7 +63,9 @@ def test_the_fresh_process_benchmark_times_each_contender_as_its_own_process(tmp
     assert kfed["ari"] > 0.95 and mllib["ari"] > 0.5 and passes["cost"] is None
     assert kfed["peak_memory_mb"]["largest python worker"] > 0  # the sampler sees the job's workers
     assert set(fresh["ratios"]) == {"MLlib / k-FED, wall time", "k-FED / Spark's bare passes, wall time",
-                                    "k-FED cost / MLlib cost"}
+                                    "k-FED cost / MLlib cost",
+                                    "k sweep of 59 ks / one MLlib read and fit at k = 6, wall time"}
+    assert sweep["stages"]["server steps and figures"] > 0 and "the input's true k is 6" in fresh["notes"][-1]
     assert "## Fresh processes" in capsys.readouterr().out
     runs = (tmp_path / "bench" / "fresh" / "kfed" / "runs")
     assert runs.is_dir()  # the setup run created the location the timed run wrote into

@@ -3,7 +3,8 @@
 spark-submit, an Airflow task and cron start a new process for every run, so each run pays the JVM's
 start, the Python workers' start and imports, and a cold JIT. The contenders, on the same Parquet input:
 `kfed-spark run` as a scheduled run (a new run id into an output location an earlier run created),
-MLlib KMeans fit + transform + Delta write (kfed_spark.bench.contenders), and Spark's bare passes of
+`kfed-spark choose-k` sweeping k over that run's local centers, MLlib KMeans fit + transform + Delta
+write (kfed_spark.bench.contenders), and Spark's bare passes of
 k-FED's shape with no clustering in them (the same). Each is timed from its start to its exit, with the
 stages it reports and its process tree's peak resident memory.
 """
@@ -32,6 +33,9 @@ from kfed_spark.metrics import adjusted_rand_index
 KFED = "k-FED: kfed-spark run, a new run id into an existing location"
 MLLIB = "Spark MLlib KMeans: read, fit, transform, Delta write"
 PASSES = "Spark's bare passes of k-FED's shape, no clustering"
+SWEEP = "k sweep: kfed-spark choose-k over the k-FED run's local centers"
+SWEEP_KS = (2, 100)
+"""The ks the benchmark's sweep covers (at most as many as the run has local centers)."""
 SETUP_DEVICES = 50
 """Devices of the input slice the setup run clusters, to create the location the timed run writes into."""
 
@@ -213,6 +217,17 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
     labels = location / "labels" / f"run_id={run_id}" / f"attempt_id={result['attempt_id']}"
     runs.append(ProcessRun(KFED, seconds, stages, peaks, result["cost"], ari_against(truth_by_row, labels)))
 
+    top = min(SWEEP_KS[1], result["n_local_centers"])
+    seconds, stdout, peaks = timed_process(
+        "k sweep", [*kfed, "choose-k", "--output", str(location), "--run", run_id, "--k", f"{SWEEP_KS[0]}:{top}",
+                    "--json"], logs / "choose-k.log")
+    swept = last_json_line(stdout)
+    sweep_seconds = sum(f["seconds"] for f in swept["figures"])
+    runs.append(ProcessRun(f"{SWEEP}, k = {SWEEP_KS[0]}..{top}", seconds,
+                           {"server steps and figures": round(sweep_seconds, 3),
+                            "process start, reading the run, report files and exit": round(seconds - sweep_seconds, 3)},
+                           peaks))
+
     shutil.rmtree(out / MLLIB_LABELS, ignore_errors=True)
     read_into_file_cache(data)
     seconds, stdout, peaks = timed_process("MLlib", [*contender, "mllib", *common], logs / "mllib.log")
@@ -226,15 +241,18 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
     runs.append(ProcessRun(PASSES, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"),
                            peaks))
 
-    kfed_run, mllib_run, passes_run = runs
+    kfed_run, sweep_run, mllib_run, passes_run = runs
     ratios = {
         "MLlib / k-FED, wall time": mllib_run.seconds / kfed_run.seconds,
+        f"k sweep of {top - SWEEP_KS[0] + 1} ks / one MLlib read and fit at k = {k}, wall time":
+            sweep_run.seconds / mllib_run.stages["read and fit"],
         "k-FED / Spark's bare passes, wall time": kfed_run.seconds / passes_run.seconds,
         "k-FED cost / MLlib cost": kfed_run.cost / mllib_run.cost,
     }
     notes = [
         f"Each process was started by this benchmark ({sys.executable}), one after the other, after reading the "
         "input once into the file cache; peak memory is sampled every 0.25 s over the process tree.",
+        f"The k sweep recommended k = {swept['recommended_k']} ({swept['rule']}); the input's true k is {k}.",
     ]
     return FreshReport(len(table), len(device_ids), dim, k, k_per_device, runs, ratios, command, notes)
 
