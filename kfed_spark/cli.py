@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         message = describe(exc)
         if message is None:
             raise
-        # On a terminal Spark's progress bar may hold the line: back to its start and clear it first.
-        start_of_line = "\r\x1b[K" if sys.stderr.isatty() else ""
+        # On a terminal Spark's progress bar may hold the line: back to its start and clear it first. After
+        # SIGTERM the JVM may still be logging the interrupted jobs' traces, in chunks that can end mid-line
+        # (a stream's test once saw '^kfed-spark: error: ...'): the error line then starts on a line of its own.
+        start_of_line = "\r\x1b[K" if sys.stderr.isatty() else "\n" if STOP_REQUESTED.is_set() else ""
         print(f"{start_of_line}kfed-spark: error: {message}", file=sys.stderr)
         return exc.exit_code if isinstance(exc, KFedError) and not STOP_REQUESTED.is_set() else 1
 
@@ -219,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="ARI, NMI and cost of k-FED variants, MLlib and scikit-learn on the real datasets and a mixture",
     )
     quality.add_argument("--datasets", help=f"comma-separated names among {', '.join(DATASETS)}, mixture, "
-                         "mixture-iid, mixture-outliers, close-means (default: all)")
+                         "mixture-iid, mixture-outliers, close-means, mixture-uneven (default: all)")
     quality.add_argument("--out", default="kfed-quality", help="folder for quality.json and quality.md")
     quality.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
     quality.add_argument("--max-devices", type=int, help="use only this many devices of each real dataset")

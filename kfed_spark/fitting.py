@@ -164,13 +164,13 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
                 where = "distributed" if n_local > cfg.server_distributed_above else "driver"
         local = LocalCenters.from_arrow(frame.toArrow(), dim) if where == "driver" or cfg.k == "auto" else None
     chosen = None
-    if cfg.k == "auto" and len(local.counts):
-        with timer.stage("k_sweep"):
-            chosen = local.sweep(k_values(*cfg.k_range), AlgorithmParams.of(cfg))
-        log.info("k auto: the sweep of k = %d..%d recommends k = %d", *cfg.k_range, chosen.recommended_k)
-        cfg = dataclasses.replace(cfg, k=chosen.recommended_k)
-    params = AlgorithmParams.of(cfg)
     try:
+        if cfg.k == "auto" and len(local.counts):
+            with timer.stage("k_sweep"):
+                chosen = local.sweep(k_values(*cfg.k_range), AlgorithmParams.of(cfg))
+            log.info("k auto: the sweep of k = %d..%d recommends k = %d", *cfg.k_range, chosen.recommended_k)
+            cfg = dataclasses.replace(cfg, k=chosen.recommended_k)
+        params = AlgorithmParams.of(cfg)
         with timer.stage("server_step"):
             try:
                 if where == "driver":

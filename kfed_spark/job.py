@@ -540,13 +540,15 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
         if tables.check_log(name):
             added = tables.check_schema(name, schema)
             existing.append(name + (f" (would add {', '.join(f.name for f in added)})" if added else ""))
+    lo, hi = cfg.k_range
+    k_setting = (f"k = auto (after the local step, a sweep of k = {lo}..{hi} over the local centers chooses it)"
+                 if cfg.k == "auto" else f"k = {cfg.k}")
     return "\n".join(
         [
             f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
             f"  columns: {', '.join(f'{f.name} {f.dataType.simpleString()}' for f in raw.schema.fields)}",
             f"  device column: {cfg.input.device_col}; features: {cfg.input.features_col} (dimension {dim})",
-            (f"k-FED: k = auto (after the local step, a sweep of k = {cfg.k_range[0]}..{cfg.k_range[1]} over the "
-             "local centers chooses it)" if cfg.k == "auto" else f"k-FED: k = {cfg.k}") + f", k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
+            f"k-FED: {k_setting}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
             f"local_restarts = {cfg.local_restarts}, seeding = {cfg.seeding}, robust_min_size = {cfg.robust_min_size}, "
             f"server_refine = {cfg.server_refine}, server_step = {cfg.server_step}, label_mode = {cfg.label_mode}, "
             f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",

@@ -81,8 +81,9 @@ class KSweep:
 
     @property
     def disagreements(self) -> list[str]:
-        """What the other criteria say where they do not say the recommended k, and a range the BIC leaves by its edge."""
-        said = [f"{name} chooses k = {k}" if k is not None else f"{name}: no k in the range is at most {NOISE_RATIO_LIMIT:g}"
+        """What the other criteria choose where it is not the recommended k, and a BIC still rising at the range's top."""
+        said = [f"{name} chooses k = {k}" if k is not None else
+                f"{name}: no k in the range is at most {NOISE_RATIO_LIMIT:g}"
                 for name, k in self.choices.items() if k != self.recommended_k]
         ks = [f.k for f in self.figures]
         if self.choices["bic"] == max(ks) and len(ks) > 1:
@@ -111,7 +112,8 @@ class KSweep:
             noise = "-" if f.noise_ratio is None else f"{f.noise_ratio:.3f}"
             stability = "" if f.stability is None else f"{f.stability:.3f}"
             mark = "  <- recommended" if f.k == self.recommended_k else ""
-            lines.append(f"{f.k:>5} {f.sse:>12.6g} {f.bic:>14.8g} {f.silhouette:>10.4f} {noise:>11} {stability:>9}{mark}")
+            lines.append(f"{f.k:>5} {f.sse:>12.6g} {f.bic:>14.8g} {f.silhouette:>10.4f} {noise:>11} {stability:>9}"
+                         + mark)
         lines.append(f"recommended k = {self.recommended_k}: {self.rule}")
         lines.extend(f"  {said}" for said in self.disagreements)
         return "\n".join(lines)

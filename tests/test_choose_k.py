@@ -47,7 +47,8 @@ def test_choose_k_sweeps_only_a_published_attempt(spark, config, tmp_path, capsy
     monkeypatch.delenv(FAULT_ENV)
     capsys.readouterr()
     assert main(["choose-k", "--output", str(out), "--k", "2:20", "--run", "broken"]) != 0
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"kfed-spark: error: no published run 'broken' under {out}"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"kfed-spark: error: no published run 'broken' under {out}"
 
     assert main(["choose-k", "--output", str(out), "--k", "2:24:2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

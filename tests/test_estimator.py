@@ -170,3 +170,21 @@ def test_a_reference_model_s_ids_and_the_optional_distance_and_margin(spark, mix
     scored = by_row(first.setDistanceCol("distance").setMarginCol("margin").transform(rows), "distance", "margin")
     assert (scored.distance >= 0).all() and scored.margin.between(-1, 1).all()
     assert (scored.distance ** 2).sum() == pytest.approx(first.summary.trainingCost, rel=1e-9)
+
+
+def test_k_auto_and_a_sweep_of_a_fitted_model(spark, mixture_path, tmp_path):
+    rows = spark.read.parquet(mixture_path)
+    kfed = KFed(k="auto", kRange=[3, 20], kPerDevice=MIXTURE["k_per_device"], seed=11)
+    model = kfed.fit(rows)
+    assert model.getK() == MIXTURE["k"] and model.kSweep.recommended_k == MIXTURE["k"]
+    assert [f.k for f in model.kSweep.figures] == list(range(3, 21)) and kfed.getK() == "auto"
+    assert rows.count() == model.transform(rows).filter("prediction IS NOT NULL").count()
+    # A model fitted with a given k sweeps its own local centers: the same local step, the same answer.
+    swept = mixture_estimator().fit(rows).sweepK((3, 20))
+    def figures(sweep):
+        return [(f.k, f.sse, f.bic, f.silhouette, f.noise_ratio, f.stability) for f in sweep.figures]
+
+    assert swept.recommended_k == MIXTURE["k"] and figures(swept) == figures(model.kSweep)
+    kfed.write().overwrite().save(str(tmp_path / "estimator"))
+    assert (KFed.load(str(tmp_path / "estimator")).getK(), KFed.load(str(tmp_path / "estimator")).getKRange()) == (
+        "auto", (3, 20))

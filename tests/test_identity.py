@@ -173,12 +173,13 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
 
 
 def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, config, tmp_path):
-    """The previous release wrote runs without the identity columns, labels without distance and margin,
+    """The previous releases wrote runs without the identity and k sweep columns, labels without distance and margin,
     and no cluster_changes (made here from a run of this one): the next run adds them before any work and
     matches its clusters to the old run's, whose ids were 0..k-1."""
     out = tmp_path / "out"
     assert run_cli(config) == 0
-    for name, added in (("runs", ["identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id"]),
+    for name, added in (("runs", ["identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id",
+                                  "k_range", "k_sweep"]),
                         ("labels", ["distance", "margin"])):
         older = spark.read.format("delta").load(str(out / name)).drop(*added).cache()
         older.count()

@@ -34,6 +34,9 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
     assert markdown.count("\n| mixture |") == 28 and "| dataset | method |" in markdown
     assert "| combination | mixture | mixture-outliers | largest shortfall from the best |" in markdown
     assert "(default)" in markdown and "Smallest largest shortfall: k-FED " in markdown
+    choices = {c["dataset"]: c for c in json.loads((out / "k_choice.json").read_text())}
+    assert choices["mixture"]["true_k"] == 16 and choices["mixture"]["recommended_k"] == 16
+    assert choices["mixture"]["swept"] == "2..32" and "| mixture | 16 | 2..32 | 16 |" in markdown
     assert main(["bench-quality", "--datasets", "cifar", "--out", str(out)]) == 2
     assert "--datasets takes names from" in capsys.readouterr().err
 

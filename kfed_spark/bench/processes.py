@@ -257,8 +257,8 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
     return FreshReport(len(table), len(device_ids), dim, k, k_per_device, runs, ratios, command, notes)
 
 
-JOB_STAGES = ("session", "validate", "claim", "local_step", "server_step", "labels", "other_tables", "report",
-              "publish", "supersede")
+JOB_STAGES = ("session", "validate", "claim", "local_step", "k_sweep", "server_step", "labels", "other_tables",
+              "report", "publish", "supersede")
 """The job's stages in the order it runs them (its JSON lists them sorted by name)."""
 
 

@@ -8,6 +8,7 @@ it row for row); MLlib runs on Spark. Quality only: for speed see benchmark.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -23,18 +24,19 @@ from kfed_spark.bench.datasets import DATASETS, load
 from kfed_spark.kernels import device_rng, federated_kmeans, local_clusterings
 from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
 from kfed_spark.params import DEFAULTS, LABEL_MODES, SEEDING_RULES, AlgorithmParams
-from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture
+from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture, uneven_mixture
+from kfed_spark.k_sweep import k_values, sweep
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
 OUTLIER_DEVICES = 10
 OUTLIER_ROWS = 3
 """mixture-outliers adds this many devices of this many rows each, far from every cluster."""
 
-SYNTHETIC_PROBLEMS = ("mixture", "mixture-iid", "mixture-outliers", "close-means")
+SYNTHETIC_PROBLEMS = ("mixture", "mixture-iid", "mixture-outliers", "close-means", "mixture-uneven")
 PROBLEMS = (*DATASETS, *SYNTHETIC_PROBLEMS)
 
 K_PER_DEVICE = {"femnist": 10, "mnist": 2, "shakespeare": 1, "mixture": 4, "mixture-iid": 16, "mixture-outliers": 4,
-                "close-means": 7}
+                "close-means": 7, "mixture-uneven": 4}
 """The fixed k_z each dataset is clustered with: rotated MNIST devices hold 2 digits by
 construction, a Shakespeare role speaks in one play, a FEMNIST writer writes most classes
 (10 is a budget, not a truth), the IID partition puts every cluster on every device."""
@@ -69,6 +71,29 @@ class QualityRow:
     seconds: float
 
 
+@dataclass
+class KChoiceRow:
+    """What the k sweep (kfed_spark.k_sweep) over a dataset's local centers recommends, against its true k."""
+
+    dataset: str
+    true_k: int
+    swept: str
+    recommended_k: int
+    bic_k: int
+    silhouette_k: int
+    noise_ratio_k: int | None
+    seconds: float
+
+
+def k_choice(problem: Problem, local, params: AlgorithmParams) -> KChoiceRow:
+    """The sweep of k = 2..max(2 true k, 20) (below the number of local centers) over the run's local centers."""
+    top = min(max(2 * problem.k, 20), len(local.counts) - 1)
+    start = time.perf_counter()
+    result = sweep(local.centers, local.counts, local.sse, local.devices, local.local_ids, k_values(2, top), params)
+    return KChoiceRow(problem.name, problem.k, f"2..{top}", result.recommended_k, result.choices["bic"],
+                      result.choices["silhouette"], result.choices["noise_ratio"], round(time.perf_counter() - start, 2))
+
+
 @dataclass(frozen=True)
 class Problem:
     name: str
@@ -81,8 +106,8 @@ class Problem:
 def problems(names: list[str], data_dir: str | None, max_devices: int | None, seed: int) -> list[Problem]:
     found = []
     for name in names:
-        if name == "close-means":
-            table = close_means_mixture(seed)
+        if name in ("close-means", "mixture-uneven"):
+            table = close_means_mixture(seed) if name == "close-means" else uneven_mixture(seed)
             devices = table.column("device_id").to_numpy()
             k = len(np.unique(table.column("true_cluster").to_numpy()))
         elif name in SYNTHETIC_PROBLEMS:
@@ -119,7 +144,7 @@ def with_outlier_devices(table: pa.Table, devices: np.ndarray, seed: int) -> tup
     return joined, np.concatenate([devices, new_devices])
 
 
-def evaluate(spark, problem: Problem, seed: int, folder: Path) -> list[QualityRow]:
+def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[QualityRow], KChoiceRow]:
     rows: list[QualityRow] = []
 
     def add(method: str, k_per_device: str, labels: np.ndarray, seconds: float) -> None:
@@ -133,6 +158,8 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> list[QualityRo
         local_params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed, local_restarts=restarts)
         local = local_clusterings(problem.x, problem.devices, local_params)
         local_seconds = time.perf_counter() - start
+        if restarts == DEFAULTS.local_restarts:
+            choice = k_choice(problem, local, dataclasses.replace(local_params, k=2))
         for _, min_size, seeding, label_mode in (c for c in COMBINATIONS if c[0] == restarts):
             start = time.perf_counter()
             params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed, local_restarts=restarts,
@@ -155,7 +182,7 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> list[QualityRo
     reference = rows[-1].cost
     for row in rows:
         row.cost_ratio = row.cost / reference if reference else float("nan")
-    return rows
+    return rows, choice
 
 
 def mllib_labels(spark, problem: Problem, seed: int, folder: Path) -> tuple[np.ndarray, float]:
@@ -200,7 +227,7 @@ def combination_summary(rows: list[QualityRow]) -> tuple[list[str], str]:
     return lines, min(names, key=lambda n: shortfall[n])
 
 
-def markdown(rows: list[QualityRow], command: str) -> str:
+def markdown(rows: list[QualityRow], command: str, choices: list[KChoiceRow] = ()) -> str:
     summary, most_even = combination_summary(rows)
     lines = [
         f"`{command}`: ARI of every k-FED combination (local restarts, outlier filter robust_min_size, seeding "
@@ -220,14 +247,27 @@ def markdown(rows: list[QualityRow], command: str) -> str:
         f"| {r.dataset} | {r.method} | {r.k} | {r.k_per_device} | {r.ari:.3f} | {r.nmi:.3f} | {r.cost_ratio:.3f} | {r.seconds:.1f} |"
         for r in rows
     ]
+    if choices:
+        lines += [
+            "", "Choosing k: the k sweep over the default settings' local centers (kfed-spark choose-k) against the "
+            "true k", "",
+            "| dataset | true k | swept | recommended k | BIC's k | silhouette's k | noise ratio's k | seconds |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [f"| {c.dataset} | {c.true_k} | {c.swept} | {c.recommended_k} | {c.bic_k} | {c.silhouette_k} | "
+                  f"{'-' if c.noise_ratio_k is None else c.noise_ratio_k} | {c.seconds:.1f} |" for c in choices]
     return "\n".join(lines) + "\n"
 
 
 def bench_quality(spark, names: list[str], out: Path, data_dir: str | None, max_devices: int | None, seed: int,
                   command: str) -> list[QualityRow]:
     out.mkdir(parents=True, exist_ok=True)
-    rows = [row for problem in problems(names, data_dir, max_devices, seed)
-            for row in evaluate(spark, problem, seed, out)]
+    rows, choices = [], []
+    for problem in problems(names, data_dir, max_devices, seed):
+        found, choice = evaluate(spark, problem, seed, out)
+        rows += found
+        choices.append(choice)
     (out / "quality.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
-    (out / "quality.md").write_text(markdown(rows, command))
+    (out / "k_choice.json").write_text(json.dumps([asdict(c) for c in choices], indent=2))
+    (out / "quality.md").write_text(markdown(rows, command, choices))
     return rows

@@ -85,21 +85,7 @@ def close_means_mixture(seed: int, k: int = 49, per_device: int = 7, devices: in
     gaps = np.sqrt(((means[:, None] - means[None]) ** 2).sum(axis=2))
     np.fill_diagonal(gaps, np.inf)
     means *= CLOSE_SEPARATION / np.median(gaps.min(axis=1))
-    parts, truths, owners = [], [], []
-    for device in range(devices):
-        rng = device_rng(seed, ("close-means", device))
-        held = rng.choice(k, size=per_device, replace=False)
-        truth = held[rng.integers(0, per_device, size=int(rng.integers(rows[0], rows[1] + 1)))]
-        parts.append(means[truth] + rng.standard_normal((len(truth), dim)))
-        truths.append(truth.astype(np.int32))
-        owners.append(np.full(len(truth), device, dtype=np.int64))
-    features = np.concatenate(parts)
-    return pa.table({
-        "row_id": pa.array(np.arange(len(features), dtype=np.int64)),
-        "device_id": pa.array(np.concatenate(owners)),
-        "features": features_array(features),
-        "true_cluster": pa.array(np.concatenate(truths)),
-    })
+    return devices_table(means, seed, "close-means", devices, per_device, rows)
 
 
 UNEVEN_DECAY = 0.9
@@ -113,14 +99,23 @@ def uneven_mixture(seed: int, k: int = 36, k_per_device: int = 4, devices: int =
     clusters in proportion to UNEVEN_DECAY^j (at k = 36 the rarest clusters hold under 1% of the rows).
     Columns as mixture()."""
     means = np.random.default_rng([seed, 0x5EED]).normal(0.0, MEAN_SCALE, size=(k, dim))
-    share = UNEVEN_DECAY ** np.arange(k)
+    return devices_table(means, seed, "uneven", devices, k_per_device, rows, UNEVEN_DECAY ** np.arange(k))
+
+
+def devices_table(means: np.ndarray, seed: int, key: str, devices: int, per_device: int, rows: tuple[int, int],
+                  shares: np.ndarray | None = None) -> pa.Table:
+    """Devices of rows[0] to rows[1] rows, each holding per_device of the clusters of `means` (drawn
+    evenly), each row's cluster drawn evenly among them or in proportion to `shares`, plus unit
+    Gaussian noise; drawn device by device from (seed, key, device). Columns as mixture()."""
     parts, truths, owners = [], [], []
     for device in range(devices):
-        rng = device_rng(seed, ("uneven", device))
-        held = rng.choice(k, size=k_per_device, replace=False)
+        rng = device_rng(seed, (key, device))
+        held = rng.choice(len(means), size=per_device, replace=False)
         n = int(rng.integers(rows[0], rows[1] + 1))
-        truth = held[rng.choice(k_per_device, size=n, p=share[held] / share[held].sum())]
-        parts.append(means[truth] + rng.standard_normal((n, dim)))
+        picked = (rng.integers(0, per_device, size=n) if shares is None
+                  else rng.choice(per_device, size=n, p=shares[held] / shares[held].sum()))
+        truth = held[picked]
+        parts.append(means[truth] + rng.standard_normal((n, means.shape[1])))
         truths.append(truth.astype(np.int32))
         owners.append(np.full(n, device, dtype=np.int64))
     features = np.concatenate(parts)
