@@ -1,5 +1,6 @@
-"""The `kfed-spark` command: run, assign, stream, sql, report, maintain, package, generate, prepare, demo,
-bench, bench-quality, bench-server.
+"""The `kfed-spark` command: run, assign, stream, sql, maintain, report, choose-k, package, generate, prepare,
+demo, bench, bench-quality, bench-server. Each handler imports what its command needs: the parser alone
+imports no Spark and none of the benchmarks' tooling (kfed_spark.bench).
 
 spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
 """
@@ -14,10 +15,12 @@ import threading
 from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
-from kfed_spark.bench.datasets import DATASETS
 from kfed_spark.errors import STOP_REQUESTED, STOPPED, STREAM_STOPPED, KFedError, Terminated, describe
 
 DEMO_FOLDER = "kfed-demo"
+DATASET_NAMES = ("femnist", "mnist", "shakespeare")
+"""The real datasets `prepare` and `bench-quality` know (kfed_spark.bench.datasets.DATASETS; a test holds
+them equal): named here so that the parser, which every command builds, imports none of the tooling."""
 QUIET_LOCAL_SPARK = {
     "spark.sql.shuffle.partitions": "4",
     "spark.databricks.delta.snapshotPartitions": "2",
@@ -81,93 +84,84 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="level of the job's own log lines on stderr (default INFO); Spark's is spark.log.level")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The arguments several commands share, declared once.
+    configured = argparse.ArgumentParser(add_help=False)
+    configured.add_argument("--config", required=True, help="YAML config file (see conf/local.yaml)")
+    configured.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                            help="override a dotted config key, e.g. --set input.path=/data/x --set k=64 (repeatable)")
+    located = argparse.ArgumentParser(add_help=False)
+    located.add_argument("--output", help="the output location (default: output.path of --config)")
+    located.add_argument("--config", help="YAML config whose output.path and spark settings to use")
+    run_output = argparse.ArgumentParser(add_help=False)
+    run_output.add_argument("--json", action="store_true",
+                            help="print the run's figures as one JSON object on stdout (for Airflow's XCom and scripts)")
+    run_output.add_argument("--quiet", action="store_true",
+                            help="only warnings and the error line on stderr: no stage lines, Spark at ERROR")
 
-    run = commands.add_parser("run", help="cluster a table and write the Delta tables of one run")
-    run.add_argument("--config", required=True, help="YAML config file (see conf/local.yaml)")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a dotted config key, e.g. --set input.path=/data/x --set k=64 (repeatable)",
-    )
+    run = commands.add_parser("run", parents=[configured, run_output],
+                              help="cluster a table and write the Delta tables of one run")
     run.add_argument(
         "--dry-run",
         action="store_true",
         help="validate the config and the input's schema, print the plan, write nothing",
     )
-    add_run_output_arguments(run)
     run.set_defaults(handler=command_run)
 
     assign = commands.add_parser(
-        "assign",
-        help="label a new input with a published run's model and write it as a new run of the same tables",
+        "assign", parents=[configured, run_output],
+        help="label a new input with a published run's model and write it as a new run of the same tables "
+        "(--config: the new input, the same output.path)",
     )
     add_model_arguments(assign, required=True)
-    assign.add_argument("--config", required=True, help="YAML config: the new input, the same output.path")
-    assign.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a dotted config key (repeatable)")
-    add_run_output_arguments(assign)
     assign.set_defaults(handler=command_assign)
 
     stream = commands.add_parser(
-        "stream",
+        "stream", parents=[configured, run_output],
         help="label rows as they arrive in the input (files of a folder, a Delta table) with a finished model, "
-        "appending them to stream_labels and stream_quarantine exactly once",
+        "appending them to stream_labels and stream_quarantine exactly once (--config: the input to watch, "
+        "output.path, stream.*)",
     )
     add_model_arguments(stream, required=False)
-    stream.add_argument("--config", required=True, help="YAML config: the input to watch, output.path, stream.*")
-    stream.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a dotted config key (repeatable)")
     trigger = stream.add_mutually_exclusive_group()
     trigger.add_argument("--available-now", action="store_true",
                          help="label what has arrived since the last batch, then stop (for scheduled tasks)")
     trigger.add_argument("--trigger-seconds", type=float, metavar="SECONDS",
                          help="run on, one micro-batch every SECONDS (default stream.trigger_seconds, 60)")
-    add_run_output_arguments(stream)
     stream.set_defaults(handler=command_stream)
 
     sql = commands.add_parser(
-        "sql", help="run a Spark SQL query against the tables of an output location and print the result"
+        "sql", parents=[located],
+        help="run a Spark SQL query against the tables of an output location and print the result",
     )
     sql.add_argument("query", help="the query; views labels, centers, local_centers and quarantine hold the "
                      "published attempt of every run, latest_labels (and latest_centers, ...) the newest "
                      "succeeded run, runs every attempt with its status, stream_labels and stream_quarantine what "
                      "`stream` wrote there")
-    sql.add_argument("--config", help="YAML config whose output.path and spark settings to use")
-    sql.add_argument("--output", help="the output location (overrides output.path of --config)")
     sql.add_argument("--limit", type=int, default=100, help="rows to print at most (default 100)")
     sql.set_defaults(handler=command_sql)
 
     maintain = commands.add_parser(
-        "maintain",
+        "maintain", parents=[located],
         help="tidy an output location: mark attempts whose process is gone as abandoned, and delete the rows "
         "of failed, abandoned and superseded attempts",
     )
-    maintain.add_argument("--output", help="the output location (default: output.path of --config)")
-    maintain.add_argument("--config", help="YAML config whose output.path and spark settings to use")
     maintain.add_argument("--abandon-after-hours", type=float, metavar="HOURS",
                           help="also abandon attempts still running after this long, on any host")
     maintain.set_defaults(handler=command_maintain)
 
-    report = commands.add_parser("report", help="print the report of a run (its report.json, as text)")
+    report = commands.add_parser("report", parents=[located], help="print the report of a run (its report.json, as text)")
     report.add_argument("run_id", metavar="RUN_ID", help="the run whose report to print")
-    report.add_argument("--output", help="the output location (default: output.path of --config)")
-    report.add_argument("--config", help="YAML config whose output.path to use")
     report.add_argument("--json", action="store_true", help="print report.json as it is")
     report.set_defaults(handler=command_report)
 
     choose_k = commands.add_parser(
-        "choose-k", help="sweep k over a published run's local centers (no pass over the rows), print every k's "
+        "choose-k", parents=[located], help="sweep k over a published run's local centers (no pass over the rows), print every k's "
         "figures and the recommended k, and store the sweep beside the run's report",
     )
     choose_k.add_argument("--k", dest="k_range", required=True, type=k_range_argument, metavar="LO:HI[:STEP]",
                           help="the ks to sweep, both ends included, e.g. 2:100 or 10:200:10")
     choose_k.add_argument("--run", metavar="RUN_ID", help="the published run whose local centers to sweep "
                           "(default: the newest succeeded run)")
-    choose_k.add_argument("--output", help="the output location (default: output.path of --config)")
-    choose_k.add_argument("--config", help="YAML config whose output.path and spark settings to use")
     choose_k.add_argument("--json", action="store_true", help="print the sweep as one JSON object on stdout")
     choose_k.set_defaults(handler=command_choose_k)
 
@@ -187,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser(
         "prepare", help="turn a real dataset (femnist, mnist, shakespeare) into the job's input table (Parquet)"
     )
-    prepare.add_argument("dataset", choices=list(DATASETS), help="which dataset")
+    prepare.add_argument("dataset", choices=DATASET_NAMES, help="which dataset")
     prepare.add_argument("--out", required=True, help="output folder for the Parquet file")
     prepare.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
     prepare.add_argument("--max-devices", type=int, help="keep only this many devices (a small slice)")
@@ -220,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench-quality",
         help="ARI, NMI and cost of k-FED variants, MLlib and scikit-learn on the real datasets and a mixture",
     )
-    quality.add_argument("--datasets", help=f"comma-separated names among {', '.join(DATASETS)}, mixture, "
+    quality.add_argument("--datasets", help=f"comma-separated names among {', '.join(DATASET_NAMES)}, mixture, "
                          "mixture-iid, mixture-outliers, close-means, mixture-uneven (default: all)")
     quality.add_argument("--out", default="kfed-quality", help="folder for quality.json and quality.md")
     quality.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
@@ -250,13 +244,6 @@ def add_model_arguments(parser: argparse.ArgumentParser, required: bool) -> None
     group.add_argument("--model-run", metavar="RUN_ID", help="the published run under output.path whose model to apply"
                        + ("" if required else " (default: the newest succeeded run)"))
     group.add_argument("--model", metavar="PATH", help="a KFedModel saved by the estimator (model.write().save(PATH))")
-
-
-def add_run_output_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true",
-                        help="print the run's figures as one JSON object on stdout (for Airflow's XCom and scripts)")
-    parser.add_argument("--quiet", action="store_true",
-                        help="only warnings and the error line on stderr: no stage lines, Spark at ERROR")
 
 
 def print_result(args: argparse.Namespace, result, text: str) -> None:
@@ -577,7 +564,7 @@ def command_generate(args: argparse.Namespace) -> int:
 def command_prepare(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from kfed_spark.bench.datasets import load, write_parquet_folder
+    from kfed_spark.bench.datasets import DATASETS, load, write_parquet_folder
 
     table = load(args.dataset, args.data_dir, args.max_devices, args.seed)
     write_parquet_folder(table, args.out)

@@ -24,7 +24,15 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, IntegerType, LongType, StringType, StructField, StructType
 
 from kfed_spark import faults, report
-from kfed_spark.attempts import K_SWEEP_TYPE, RUNS_SCHEMA, Attempt, Ledger, highest_cluster_id, new_attempt_id, reference_attempt
+from kfed_spark.attempts import (
+    K_SWEEP_TYPE,
+    RUNS_SCHEMA,
+    Attempt,
+    Ledger,
+    highest_cluster_id,
+    new_attempt_id,
+    reference_attempt,
+)
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import ConfigError, InputError, KFedError, describe
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
