@@ -44,8 +44,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from kfed_spark.errors import ConfigError, first_line
-from kfed_spark.io import AttemptConflict, OutputTables, attempt_filter
+from kfed_spark.errors import AttemptConflict, ConfigError, first_line
+from kfed_spark.io import OutputTables, attempt_filter
 
 log = logging.getLogger("kfed_spark")
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
-from kfed_spark.errors import STOP_REQUESTED, STOPPED, STREAM_STOPPED, KFedError, Terminated, describe
+from kfed_spark.errors import KFedError
+from kfed_spark.failures import describe
+from kfed_spark.stopping import STOP_REQUESTED, STREAM_STOPPED, Terminated, stop_on_sigterm
 
 DEMO_FOLDER = "kfed-demo"
 DATASET_NAMES = ("femnist", "mnist", "shakespeare")
@@ -49,31 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         start_of_line = "\r\x1b[K" if sys.stderr.isatty() else "\n" if STOP_REQUESTED.is_set() else ""
         print(f"{start_of_line}kfed-spark: error: {message}", file=sys.stderr)
         return exc.exit_code if isinstance(exc, KFedError) and not STOP_REQUESTED.is_set() else 1
-
-
-def stop_on_sigterm(message: str = STOPPED) -> None:
-    """On SIGTERM (what Airflow sends on a timeout), interrupt this session's Spark work and raise
-    Terminated in the main thread, so that the run records its attempt as failed and exits; `message`
-    is the error line that says what the stop left behind.
-
-    The main thread may be waiting inside a py4j call (a count, a write), whose connection cannot
-    carry another command until it returns: so the session is the one build_session remembered
-    (asking the JVM for the active one hung the process), and the interrupt goes from a thread of
-    its own, over its own connection.
-    """
-
-    def handler(signum, frame):
-        from kfed_spark.session import last_built_session
-
-        STOP_REQUESTED.set()
-        spark = last_built_session()
-        if spark is not None:
-            threading.Thread(target=spark.interruptAll, daemon=True).start()
-        raise Terminated(message)
-
-    STOP_REQUESTED.message = message
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
 
 
 def build_parser() -> argparse.ArgumentParser:

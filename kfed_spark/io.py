@@ -29,7 +29,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
 
 from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
-from kfed_spark.errors import InputError, KFedError, first_line
+from kfed_spark.errors import AttemptConflict, InputError, KFedError, first_line
 
 log = logging.getLogger("kfed_spark")
 T = TypeVar("T")
@@ -267,12 +267,6 @@ def absolute(path: str) -> str:
 def attempt_filter(run_id: str, attempt_id: str) -> str:
     """The SQL predicate of one attempt's partition (both ids are checked against strict patterns)."""
     return f"run_id = '{run_id}' AND attempt_id = '{attempt_id}'"
-
-
-class AttemptConflict(KFedError):
-    """Another attempt of the same run id was published first (or at the same moment)."""
-
-    exit_code = 1
 
 
 class OutputTables:

@@ -34,7 +34,8 @@ from kfed_spark.attempts import (
     reference_attempt,
 )
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
-from kfed_spark.errors import ConfigError, InputError, KFedError, describe
+from kfed_spark.errors import ConfigError, InputError, KFedError
+from kfed_spark.failures import describe
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.fitting import (
     LOCAL_CENTER_FIELDS,

@@ -87,7 +87,7 @@ def test_the_margin_is_a_ratio_of_distances():
     assert list(alone) == [1.0] * 4  # one cluster: nothing to be confused with
 
 
-def day_config(tmp_path, data) -> "Path":
+def day_config(tmp_path, data):
     path = tmp_path / "kfed.yaml"
     path.write_text(f"""
 input: {{path: "{data}", format: parquet, truth_col: true_cluster}}

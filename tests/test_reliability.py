@@ -216,7 +216,7 @@ def test_assign_cannot_name_its_own_run_as_the_model(spark, published_run, capsy
 def test_a_python_worker_failure_is_told_by_its_own_exception(spark):
     """Executors without the job's packages fail in the worker; Spark's first line only says a worker
     failed, so the one-line error carries the worker's exception line instead."""
-    from kfed_spark.errors import describe
+    from kfed_spark.failures import describe
 
     def lacks_numpy(batches):  # defined here, so that the worker gets it by value, not by module
         raise ModuleNotFoundError("No module named 'numpy'")

@@ -75,8 +75,9 @@ def test_duckdb_reads_the_published_labels_through_delta_rs(spark, config, tmp_p
     assert run_cli(config) == 0
     assert run_cli(config, "k=6") == 0  # a second attempt of the run id: the first is superseded
     monkeypatch.chdir(tmp_path)
+    # DuckDB reads these two by their Python names: the README's view selects FROM labels and runs.
     labels = DeltaTable("out/labels").to_pyarrow_dataset()
-    runs = DeltaTable("out/runs").to_pyarrow_dataset()
+    runs = DeltaTable("out/runs").to_pyarrow_dataset()  # noqa: F841
     duckdb.sql(DUCKDB_PUBLISHED_LABELS)  # the view the README defines
     counts = duckdb.sql(
         "SELECT cluster_id, count(*) AS n FROM published_labels WHERE run_id = 'first' GROUP BY ALL ORDER BY cluster_id"

@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
-from kfed_spark.errors import STREAM_STOPPED
+from kfed_spark.stopping import STREAM_STOPPED
 from kfed_spark.estimator import KFedModel
 from kfed_spark.faults import FAULT_ENV
 from kfed_spark.io import STREAM_TABLES, OutputTables

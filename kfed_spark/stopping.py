@@ -1,0 +1,52 @@
+"""Stopping on SIGTERM (what Airflow sends on a timeout, and a cluster manager before it kills): the
+signal's handler, the state a stop leaves for whoever reports the failure, and what each stop means."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+STOPPED = "stopped by SIGTERM; the attempt was recorded as failed and nothing of it was published"
+STREAM_STOPPED = ("stopped by SIGTERM; every micro-batch that finished is written, and a restart from the checkpoint "
+                  "goes on after the last one")
+
+
+class StopRequest(threading.Event):
+    """Set when the process was asked to stop (SIGTERM): whatever exception the stop then causes (PySpark
+    may raise a cancelled job's error in place of Terminated), the failure is the stop, and `message`
+    says what it means for the command that was running."""
+
+    message = STOPPED
+
+
+STOP_REQUESTED = StopRequest()
+
+
+class Terminated(KeyboardInterrupt):
+    """The process was asked to stop (SIGTERM). A KeyboardInterrupt, as PySpark's own SIGINT handler
+    raises, so that py4j drops the connection whose answer will never be read."""
+
+
+def stop_on_sigterm(message: str = STOPPED) -> None:
+    """On SIGTERM (what Airflow sends on a timeout), interrupt this session's Spark work and raise
+    Terminated in the main thread, so that the run records its attempt as failed and exits; `message`
+    is the error line that says what the stop left behind.
+
+    The main thread may be waiting inside a py4j call (a count, a write), whose connection cannot
+    carry another command until it returns: so the session is the one build_session remembered
+    (asking the JVM for the active one hung the process), and the interrupt goes from a thread of
+    its own, over its own connection.
+    """
+
+    def handler(signum, frame):
+        from kfed_spark.session import last_built_session
+
+        STOP_REQUESTED.set()
+        spark = last_built_session()
+        if spark is not None:
+            threading.Thread(target=spark.interruptAll, daemon=True).start()
+        raise Terminated(message)
+
+    STOP_REQUESTED.message = message
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
