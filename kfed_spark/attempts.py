@@ -31,82 +31,15 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from pyspark.sql.types import (
-    ArrayType,
-    BooleanType,
-    DoubleType,
-    IntegerType,
-    LongType,
-    MapType,
-    StringType,
-    StructField,
-    StructType,
-    TimestampType,
-)
-
 from kfed_spark.errors import AttemptConflict, ConfigError, first_line
 from kfed_spark.io import OutputTables, attempt_filter
+from kfed_spark.tables import RUNS_SCHEMA
 
 log = logging.getLogger("kfed_spark")
 
 RUNNING, SUCCEEDED, SUPERSEDED, FAILED, ABANDONED = "running", "succeeded", "superseded", "failed", "abandoned"
 FINISHED_UNPUBLISHED = (FAILED, ABANDONED, SUPERSEDED)
 """Statuses whose rows no reader sees and the tidy-up deletes."""
-
-K_SWEEP_TYPE = StructType([
-    StructField("k", IntegerType(), False),
-    StructField("sse", DoubleType(), False),
-    StructField("bic", DoubleType(), False),
-    StructField("silhouette", DoubleType(), False),
-    StructField("noise_ratio", DoubleType(), True),
-    StructField("stability", DoubleType(), True),
-])
-"""One k of a k auto run's sweep (kfed_spark.k_sweep.KFigures without its seconds)."""
-
-RUNS_SCHEMA = StructType(
-    [
-        StructField("run_id", StringType(), False),
-        StructField("attempt_id", StringType(), False),
-        StructField("status", StringType(), False),
-        StructField("error", StringType(), True),
-        StructField("publish_seq", LongType(), True),
-        StructField("rows_removed", BooleanType(), False),
-        StructField("host", StringType(), False),
-        StructField("pid", LongType(), False),
-        StructField("parent_run_id", StringType(), True),
-        StructField("started_at", TimestampType(), False),
-        StructField("finished_at", TimestampType(), True),
-        StructField("input", StringType(), False),
-        StructField("k", IntegerType(), False),
-        StructField("k_per_device", StringType(), False),
-        StructField("seed", LongType(), False),
-        StructField("seeding", StringType(), False),
-        StructField("server_refine", StringType(), False),
-        StructField("label_mode", StringType(), False),
-        StructField("dim", IntegerType(), True),
-        StructField("n_input", LongType(), True),
-        StructField("n_labelled", LongType(), True),
-        StructField("n_quarantined", LongType(), True),
-        StructField("n_devices", LongType(), True),
-        StructField("n_local_centers", LongType(), True),
-        StructField("cost", DoubleType(), True),
-        StructField("ari", DoubleType(), True),
-        StructField("truth_cost", DoubleType(), True),
-        StructField("timings", MapType(StringType(), DoubleType()), False),
-        StructField("config", StringType(), False),
-        StructField("versions", MapType(StringType(), StringType()), False),
-        # Added after the first release: null in the rows of older versions (io.OutputTables.prepare adds them).
-        StructField("local_restarts", IntegerType(), True),
-        StructField("robust_min_size", DoubleType(), True),
-        StructField("identity_mode", StringType(), True),
-        StructField("reference_run_id", StringType(), True),
-        StructField("reference_attempt_id", StringType(), True),
-        StructField("highest_cluster_id", IntegerType(), True),
-        StructField("k_range", ArrayType(IntegerType(), False), True),
-        StructField("k_sweep", ArrayType(K_SWEEP_TYPE, False), True),
-    ]
-)
-
 
 @dataclass(frozen=True)
 class Attempt:
@@ -296,7 +229,7 @@ def committed_publish_seqs(rows: list[dict[str, Any]]) -> defaultdict[str, int]:
 
 def published_attempts(rows: list[dict[str, Any]]) -> dict[str, str]:
     """run id -> its published attempt (the succeeded one with the highest publish number); the same
-    rule as io.PUBLISHED_ATTEMPTS, which readers' views use."""
+    rule as tables.PUBLISHED_ATTEMPTS, which readers' views use."""
     best: dict[str, tuple[int, str]] = {}
     for row in rows:
         if row["status"] == SUCCEEDED:

@@ -30,7 +30,6 @@ from pyspark.sql.types import (
     BooleanType,
     DoubleType,
     IntegerType,
-    LongType,
     NumericType,
     StructField,
     StructType,
@@ -46,6 +45,7 @@ from kfed_spark.io import read_side_table
 from kfed_spark.k_sweep import KSweep, k_values, sweep
 from kfed_spark.kernels import LabelModel, ServerClustering, nearest_center, server_step
 from kfed_spark.params import AlgorithmParams
+from kfed_spark.tables import ADDED_COLUMNS, LOCAL_CENTER_FIELDS
 from kfed_spark.workers import (
     EVALUATION_COL,
     LABEL_FIELDS,
@@ -68,17 +68,6 @@ DEVICE_K_COL = "__kfed_k"
 FEATURES_SOURCE = "kfed_features_source"
 """Metadata key of FEATURES_COL when it is the input's own features column under another name."""
 
-ADDED_COLUMNS = ("cluster_id", "local_cluster_id", "distance", "margin", "run_id", "attempt_id")
-
-LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
-
-LOCAL_CENTER_FIELDS = [
-    StructField("local_cluster_id", IntegerType(), False),
-    StructField("center", ArrayType(DoubleType(), False), False),
-    StructField("n_points", LongType(), False),
-    StructField("sse", DoubleType(), False),
-]
-"""The fields of a local center after its device_id."""
 
 DIMENSION_SAMPLE_ROWS = 10_000
 
@@ -413,17 +402,6 @@ def labelled_plan(rows: DataFrame, cfg: KFedConfig, model: LabelModel, dim: int)
     (the dimension is the model's). What KFedModel.transform and `kfed-spark stream` run."""
     checked, _ = validated(rows, cfg, dim)
     return label_rows(checked, model, rows.schema, cfg.input.device_col, dim)
-
-
-def labelled_fields(raw_schema: StructType) -> list[StructField]:
-    """The input's columns followed by the columns the labels table adds: the row's local and global
-    cluster, its distance to the global center and its margin (kernels.assigned_with_margin)."""
-    return list(raw_schema.fields) + [
-        StructField("local_cluster_id", IntegerType(), True),
-        StructField("cluster_id", IntegerType(), True),
-        StructField("distance", DoubleType(), True),
-        StructField("margin", DoubleType(), True),
-    ]
 
 
 def label_rows(

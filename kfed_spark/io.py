@@ -3,9 +3,9 @@
 Only SQL and DataFrame reads and writes: no DeltaTable Python API, which Spark Connect lacks without
 Delta's Connect plugin on the server.
 
-Every output table is partitioned by (run_id, attempt_id). An attempt appends its own rows; the
-`runs` table says which attempt of each run id is published (see kfed_spark.attempts), and readers
-go through the published views that this module defines.
+What the tables hold (names, schemas, comments, partitioning, statistics columns, the published rule)
+is kfed_spark.tables; this module creates, checks, appends to and reads them, and defines the views
+readers go through (an attempt's rows count once the `runs` table publishes it: kfed_spark.attempts).
 """
 
 from __future__ import annotations
@@ -30,17 +30,19 @@ from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
 
 from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
 from kfed_spark.errors import AttemptConflict, InputError, KFedError, first_line
+from kfed_spark.tables import (
+    DATA_TABLES,
+    LATEST_ATTEMPT,
+    PUBLISHED_ATTEMPTS,
+    STREAM_TABLES,
+    TABLE_COMMENTS,
+    column_comment,
+    partition_columns,
+)
 
 log = logging.getLogger("kfed_spark")
 T = TypeVar("T")
 
-TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "cluster_changes", "runs")
-DATA_TABLES = TABLES[:-1]
-"""The tables whose rows belong to one attempt of a run; `runs` says which attempts are published."""
-STREAM_TABLES = ("stream_labels", "stream_quarantine")
-"""The tables `kfed-spark stream` appends each micro-batch to, exactly once; not partitioned by attempt:
-every row in them is final."""
-PARTITION_COLUMNS = ("run_id", "attempt_id")
 URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 """A scheme such as s3a:, file: or abfss: (anything else is a local path)."""
 REPORTS = "reports"
@@ -52,120 +54,6 @@ STATS_COLUMNS_PROPERTY = "delta.dataSkippingStatsColumns"
 Delta's default, the first 32 columns, made every write of a wide table twice as slow."""
 
 CSV_DEFAULTS = {"header": "true", "inferSchema": "true"}
-PUBLISHED_ATTEMPTS = (
-    "SELECT run_id, max_by(attempt_id, publish_seq) AS attempt_id FROM {runs} "
-    "WHERE status = 'succeeded' GROUP BY run_id"
-)
-"""The published attempt of every run id: its succeeded attempt with the highest publish number."""
-LATEST_ATTEMPT = (
-    "SELECT run_id, attempt_id FROM {runs} WHERE status = 'succeeded' AND (run_id, attempt_id) IN ("
-    + PUBLISHED_ATTEMPTS
-    + ") ORDER BY finished_at DESC, run_id DESC LIMIT 1"
-)
-"""The published attempt of the newest succeeded run."""
-TABLE_COMMENTS = {
-    "labels": "k-FED: every valid input row with its global cluster (cluster_id), one partition per attempt "
-              "of a run; read the published attempt through the labels view or the runs table",
-    "centers": "k-FED: the k global cluster centers of each attempt of a run",
-    "local_centers": "k-FED: the local centers each device shared (the only data that left a device), with "
-                     "the global cluster each one joined",
-    "quarantine": "k-FED: input rows that could not be clustered, with the reason",
-    "device_clusters": "k-FED: each device's profile, one row per device and global cluster it has rows in "
-                       "(for per-cluster models and client selection)",
-    "cluster_changes": "k-FED: how each run's clusters relate to its reference run's (kept, new or retired), "
-                       "one row per cluster of the run and per retired cluster of the reference",
-    "runs": "k-FED: one row per attempt of a run; the succeeded attempt with the highest publish_seq of a "
-            "run_id is the published one",
-    "stream_labels": "k-FED stream: every valid row that arrived, with its global cluster from a finished run's "
-                     "model, written exactly once",
-    "stream_quarantine": "k-FED stream: rows that arrived and could not be labelled, with the reason",
-}
-"""Each output table's Delta comment (DESCRIBE DETAIL shows it as description)."""
-COLUMN_COMMENTS = {
-    "run_id": "the run (re-running a run id replaces its published attempt)",
-    "attempt_id": "the attempt of the run that wrote the row; only the published attempt's rows count",
-    "local_cluster_id": "the device's local cluster the row belongs to",
-    "center": "the center's coordinates, one per feature",
-    "distance": "the row's Euclidean distance to its global cluster's center (the squares add up to the run's cost)",
-    "margin": "(d_other - d) / (d_other + d), d the row's distance to its cluster's center and d_other to the "
-              "nearest other center: 1 on its center, 0 half-way, negative nearer another center",
-    "sse": "sum of squared distances of the local cluster's rows to its center",
-    "reason": "why the row was not clustered",
-    "status": "running, succeeded, failed, abandoned or superseded",
-    "error": "the one-line error of a failed or abandoned attempt",
-    "publish_seq": "the attempt's publish number: the succeeded attempt with the highest one is published",
-    "rows_removed": "whether the rows of this unpublished attempt were deleted from the other tables",
-    "host": "the host of the driver process of the attempt",
-    "pid": "the process id of the driver of the attempt",
-    "parent_run_id": "for a run made by assign: the run whose model labelled the rows (model:<path> for a saved "
-                     "KFedModel)",
-    "started_at": "when the attempt started (UTC)",
-    "finished_at": "when the attempt finished (UTC)",
-    "input": "the input table or path",
-    "k": "global clusters: as asked for, or as the k sweep chose with k auto (0 while it has not chosen yet)",
-    "k_range": "with k auto: the smallest and largest k swept (null: k was given)",
-    "k_sweep": "with k auto: every swept k's exact SSE, BIC, silhouette, noise ratio and stability (kfed_spark.k_sweep)",
-    "k_per_device": "local clusters per device: a number, a column or auto",
-    "seed": "the run seed; every random draw is seeded from it and the device id",
-    "seeding": "the server step's seeding rule (kmeanspp or farthest)",
-    "robust_min_size": "the server step's outlier filter (0: off); null in rows of older versions",
-    "local_restarts": "rough clusterings each device tried in its projection; null in rows of older versions",
-    "device_share": "the share of the device's labelled rows that are in the cluster",
-    "mean_sq_distance": "mean squared distance of the device's rows in the cluster to the global center",
-    "server_refine": "how the server step refines the merged centers (lloyd or none)",
-    "label_mode": "how rows get their global cluster (induced from their local center, or nearest)",
-    "dim": "number of features",
-    "n_input": "input rows",
-    "n_labelled": "rows written to labels",
-    "n_quarantined": "rows written to quarantine",
-    "n_devices": "devices",
-    "n_local_centers": "local centers the devices shared",
-    "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
-    "ari": "adjusted Rand index against the truth column, if the input has one",
-    "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
-    "timings": "seconds spent in each stage",
-    "model_run_id": "the run whose model labelled the row (model:<path> for a saved KFedModel)",
-    "new_device": "whether the model had not seen the row's device: it took the nearest global center, and the "
-                  "next run clusters the device",
-    "batch_id": "the stream's micro-batch that wrote the row",
-    "arrived_at": "when the micro-batch that wrote the row started (UTC)",
-    "config": "the run's full configuration, as JSON",
-    "identity_mode": "stable (ids matched to the reference run's) or fresh (0..k-1); null in rows of older versions",
-    "reference_run_id": "the run whose clusters this run's were matched to (null: none)",
-    "reference_attempt_id": "the published attempt of the reference run that was matched",
-    "highest_cluster_id": "the highest cluster id used in the location up to this run; null in rows of older "
-                          "versions",
-    "center_shift": "distance between the cluster's center and its reference cluster's",
-    "relative_shift": "center_shift over the pooled root-mean-square distance of both clusters' rows to their "
-                      "centers",
-    "reference_n_points": "rows of the reference cluster",
-    "reference_n_devices": "devices with rows in the reference cluster",
-    "devices_in": "devices in both runs whose largest share of rows (as their local centers count them) is in this "
-                  "cluster now and was in another",
-    "devices_out": "devices in both runs whose largest share of rows (as their local centers count them) was in "
-                   "this cluster and is in another now",
-    "versions": "versions of kfed-spark, Spark, Delta and the numeric libraries",
-}
-"""Delta comments of the output columns; a column not named here is the input's and says so."""
-TABLE_COLUMN_COMMENTS = {
-    ("labels", "cluster_id"): "the global cluster of the row",
-    ("stream_labels", "cluster_id"): "the global cluster of the row",
-    ("stream_labels", "local_cluster_id"): "the device's local cluster the row belongs to (null for a new device)",
-    ("centers", "cluster_id"): "the global cluster",
-    ("centers", "n_points"): "rows in the cluster",
-    ("centers", "n_devices"): "devices with rows in the cluster",
-    ("local_centers", "device_id"): "the device",
-    ("local_centers", "n_points"): "the device's rows in the local cluster",
-    ("local_centers", "cluster_id"): "the global cluster the local center joined",
-    ("device_clusters", "device_id"): "the device",
-    ("device_clusters", "cluster_id"): "a global cluster the device has labelled rows in",
-    ("device_clusters", "n_points"): "the device's labelled rows in the cluster",
-    ("cluster_changes", "cluster_id"): "the cluster (of this run, or retired from the reference run)",
-    ("cluster_changes", "status"): "kept (matched to a reference cluster, whose id it keeps), new (an id never "
-                                   "used before) or retired (a reference cluster no cluster of this run matched)",
-    ("cluster_changes", "n_points"): "rows in the cluster (null for a retired one)",
-    ("cluster_changes", "n_devices"): "devices with rows in the cluster (null for a retired one)",
-}
 LOG_ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint(?:\.\d+\.\d+)?\.parquet|crc)$")
 """A commit, checkpoint or checksum file of a Delta log, by version."""
 TRANSACTION_CONFLICT = "DELTA_CONCURRENT_TRANSACTION"
@@ -175,10 +63,6 @@ TRANSACTION_CONFLICT = "DELTA_CONCURRENT_TRANSACTION"
 VECTOR_STORED_AS = ArrayType(DoubleType(), False)
 """How the tables hold a Spark ML vector column (VectorAssembler's output): VectorUDT is Spark's own
 type, which delta-rs, DuckDB, Trino and every other Delta reader refuse."""
-
-
-def column_comment(table: str, column: str) -> str:
-    return TABLE_COLUMN_COMMENTS.get((table, column)) or COLUMN_COMMENTS.get(column) or "as in the input table"
 
 
 def stored_field(table: str, field: StructField) -> StructField:
@@ -601,11 +485,6 @@ class OutputTables:
         for view, query in views.items():
             self.spark.sql(f"CREATE OR REPLACE TEMPORARY VIEW {view} AS {query}")
         return list(views)
-
-
-def partition_columns(name: str) -> tuple[str, ...]:
-    """A table's partition columns: (run_id, attempt_id) for a run's tables, none for a stream's."""
-    return () if name in STREAM_TABLES else PARTITION_COLUMNS
 
 
 def concurrently(work: Callable[[str], T], names: list[str]) -> dict[str, T]:

@@ -21,24 +21,15 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, DoubleType, FloatType, IntegerType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import DoubleType, FloatType, StructField, StructType
 
 from kfed_spark import faults, report
-from kfed_spark.attempts import (
-    K_SWEEP_TYPE,
-    RUNS_SCHEMA,
-    Attempt,
-    Ledger,
-    highest_cluster_id,
-    new_attempt_id,
-    reference_attempt,
-)
+from kfed_spark.attempts import Attempt, Ledger, highest_cluster_id, new_attempt_id, reference_attempt
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.errors import ConfigError, InputError, KFedError
-from kfed_spark.failures import describe
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
+from kfed_spark.failures import describe
 from kfed_spark.fitting import (
-    LOCAL_CENTER_FIELDS,
     REASON_COL,
     Clustering,
     LocalCenters,
@@ -46,10 +37,8 @@ from kfed_spark.fitting import (
     extend_with_new_devices,
     fit_checked,
     label_rows,
-    labelled_fields,
     validated,
 )
-from kfed_spark.io import TABLES, OutputTables, absolute, read_input
 from kfed_spark.identity import (
     ClusterSummary,
     Matching,
@@ -59,47 +48,24 @@ from kfed_spark.identity import (
     largest_share,
     match_clusters,
 )
+from kfed_spark.io import OutputTables, absolute, read_input
 from kfed_spark.k_sweep import KSweep
 from kfed_spark.kernels import ServerClustering
-from kfed_spark.models import StoredModel, finished_model, reference_run
 from kfed_spark.metrics import ari_of
+from kfed_spark.models import StoredModel, finished_model, reference_run
 from kfed_spark.session import in_background
+from kfed_spark.tables import (
+    CENTERS_COLUMNS,
+    CENTERS_FIELDS,
+    K_SWEEP_TYPE,
+    TABLES,
+    labelled_fields,
+    output_schemas,
+    stats_columns,
+)
 from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
 
 log = logging.getLogger("kfed_spark")
-
-RUN_ID_FIELD = StructField("run_id", StringType(), False)
-
-CENTERS_FIELDS = [
-    StructField("cluster_id", IntegerType(), False),
-    StructField("center", ArrayType(DoubleType(), False), False),
-    StructField("n_points", LongType(), False),
-    StructField("n_devices", LongType(), False),
-]
-
-CENTERS_COLUMNS = [f.name for f in CENTERS_FIELDS]
-
-CLUSTER_CHANGE_FIELDS = [
-    StructField("cluster_id", IntegerType(), False),
-    StructField("status", StringType(), False),
-    StructField("reference_run_id", StringType(), True),
-    StructField("center_shift", DoubleType(), True),
-    StructField("relative_shift", DoubleType(), True),
-    StructField("n_points", LongType(), True),
-    StructField("reference_n_points", LongType(), True),
-    StructField("n_devices", LongType(), True),
-    StructField("reference_n_devices", LongType(), True),
-]
-"""cluster_changes before devices_in and devices_out (arrays of the device column's type)."""
-
-DEVICE_CLUSTER_FIELDS = [
-    StructField("cluster_id", IntegerType(), False),
-    StructField("n_points", LongType(), False),
-    StructField("device_share", DoubleType(), False),
-    StructField("mean_sq_distance", DoubleType(), False),
-]
-"""device_clusters after device_id: one row per device and global cluster it has labelled rows in."""
-
 
 @dataclass
 class RunResult:
@@ -259,30 +225,6 @@ def cluster_identity(cfg: KFedConfig, clustering: Clustering, reference: Referen
 def timed(timer: StageTimer, stage: str, work, *args):
     with timer.stage(stage):
         return work(*args)
-
-
-def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructType]:
-    """The schema of every output table for an input of this schema; each ends with (run_id, attempt_id)."""
-    device = StructField("device_id", raw_schema[device_col].dataType, False)
-    tagged = [RUN_ID_FIELD, StructField("attempt_id", StringType(), False)]
-    return {
-        "labels": StructType(labelled_fields(raw_schema) + tagged),
-        "centers": StructType(CENTERS_FIELDS + tagged),
-        "local_centers": StructType([device, *LOCAL_CENTER_FIELDS, StructField("cluster_id", IntegerType(), False),
-                                     *tagged]),
-        "quarantine": StructType(list(raw_schema.fields) + [StructField("reason", StringType(), False), *tagged]),
-        "device_clusters": StructType([device, *DEVICE_CLUSTER_FIELDS, *tagged]),
-        "cluster_changes": StructType([*CLUSTER_CHANGE_FIELDS,
-                                       *[StructField(name, ArrayType(device.dataType, False), False)
-                                         for name in ("devices_in", "devices_out")], *tagged]),
-        "runs": RUNS_SCHEMA,
-    }
-
-
-def stats_columns(device_col: str) -> dict[str, list[str]]:
-    """The columns whose statistics Delta keeps in the tables that hold input rows: the ones their
-    readers filter on (run_id and attempt_id are partition columns, which need none)."""
-    return {"labels": [device_col, "local_cluster_id", "cluster_id"], "quarantine": [device_col, "reason"]}
 
 
 def check_device_ids(checked: DataFrame, device_col: str) -> None:
@@ -529,7 +471,7 @@ RESULT_COLUMNS = ("dim", "n_input", "n_labelled", "n_quarantined", "n_devices", 
 
 
 def k_sweep_column(sweep: KSweep | None) -> list[tuple] | None:
-    """The runs row's k_sweep (attempts.K_SWEEP_TYPE), None for a run whose k was given."""
+    """The runs row's k_sweep (tables.K_SWEEP_TYPE), None for a run whose k was given."""
     if sweep is None:
         return None
     return [tuple(getattr(f, name) for name in K_SWEEP_TYPE.names) for f in sweep.figures]

@@ -15,12 +15,13 @@ from pyspark.sql import functions as F
 
 from kfed_spark.config import RUN_ID_PATTERN
 from kfed_spark.errors import ConfigError, KFedError
-from kfed_spark.fitting import LOCAL_CENTER_COLUMNS, LocalCenters
-from kfed_spark.io import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, OutputTables, absolute, concurrently
+from kfed_spark.fitting import LocalCenters
 from kfed_spark.identity import ClusterSummary, ReferenceRun, largest_share
+from kfed_spark.io import OutputTables, absolute, concurrently
 from kfed_spark.k_sweep import KSweep
 from kfed_spark.kernels import LabelModel
 from kfed_spark.params import AlgorithmParams
+from kfed_spark.tables import LATEST_ATTEMPT, LOCAL_CENTER_COLUMNS, PUBLISHED_ATTEMPTS
 
 SAVED_LOCAL_CENTERS = "data/local_centers"
 """Where under a saved KFedModel's folder its local centers are (Parquet); the rest is its metadata."""

@@ -25,23 +25,15 @@ from datetime import datetime, timezone
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
-from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
 
 from kfed_spark import faults
 from kfed_spark.config import KFedConfig
-from kfed_spark.fitting import REASON_COL, labelled_fields, labelled_plan
-from kfed_spark.io import STREAM_TABLES, OutputTables, absolute, read_input
+from kfed_spark.fitting import REASON_COL, labelled_plan
+from kfed_spark.io import OutputTables, absolute, read_input
 from kfed_spark.models import StoredModel
+from kfed_spark.tables import STREAM_TABLES, stream_schemas, stream_stats_columns
 
 log = logging.getLogger("kfed_spark")
-
-BATCH_FIELDS = [
-    StructField("model_run_id", StringType(), False),
-    StructField("batch_id", LongType(), False),
-    StructField("arrived_at", TimestampType(), False),
-]
-"""What every row of the stream's tables ends with."""
-
 
 def locations(cfg: KFedConfig) -> dict[str, str]:
     """The stream's tables that stream.labels and stream.quarantine put elsewhere than under output.path."""
@@ -51,24 +43,6 @@ def locations(cfg: KFedConfig) -> dict[str, str]:
 
 def checkpoint_location(cfg: KFedConfig) -> str:
     return absolute(cfg.stream.checkpoint or f"{str(cfg.output.path).rstrip('/')}/_checkpoints/stream")
-
-
-def stream_schemas(raw_schema: StructType) -> dict[str, StructType]:
-    return {
-        "stream_labels": StructType(
-            labelled_fields(raw_schema) + [StructField("new_device", BooleanType(), True), *BATCH_FIELDS]
-        ),
-        "stream_quarantine": StructType(
-            list(raw_schema.fields) + [StructField("reason", StringType(), False), *BATCH_FIELDS]
-        ),
-    }
-
-
-def stats_columns(device_col: str) -> dict[str, list[str]]:
-    return {
-        "stream_labels": [device_col, "cluster_id", "model_run_id", "batch_id", "arrived_at"],
-        "stream_quarantine": [device_col, "reason", "batch_id", "arrived_at"],
-    }
 
 
 @dataclass
@@ -128,7 +102,7 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
     source = read_input(spark, inp, streaming=True)
     schemas = stream_schemas(source.schema)
     tables = OutputTables(spark, cfg.output, locations(cfg))
-    tables.prepare(schemas, stats_columns(cfg.input.device_col))
+    tables.prepare(schemas, stream_stats_columns(cfg.input.device_col))
     checkpoint = checkpoint_location(cfg)
     app_id = "kfed-spark-stream:" + hashlib.sha256(checkpoint.encode()).hexdigest()[:16]
     device_col = cfg.input.device_col

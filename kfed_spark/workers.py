@@ -26,6 +26,7 @@ from kfed_spark.kernels import (
     smallest_hashes,
 )
 from kfed_spark.params import AlgorithmParams
+from kfed_spark.tables import LOCAL_CENTER_COLUMNS
 
 SQ_DIST_COL = "__kfed_sq_dist"
 """Internal column: a row's squared distance to its global center, summed into the run's cost."""
@@ -202,7 +203,7 @@ class _LocalCenterRows:
                 pa.array(np.concatenate(self.counts), type=pa.int64()),
                 pa.array(np.concatenate(self.sse), type=pa.float64()),
             ],
-            names=["device_id", "local_cluster_id", "center", "n_points", "sse"],
+            names=LOCAL_CENTER_COLUMNS,
         )
         self._reset()
         return batch

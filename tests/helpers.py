@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from kfed_spark.bench.datasets import default_data_dir
-
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig
 from kfed_spark.fitting import fit, label_rows
-from kfed_spark.io import TABLE_COMMENTS, OutputTables
+from kfed_spark.io import OutputTables
+from kfed_spark.tables import TABLE_COMMENTS
 
 
 def published(spark, out, name):

@@ -14,18 +14,6 @@ import pytest
 from pyspark.ml.functions import array_to_vector
 from pyspark.sql import functions as F
 
-from kfed_spark.cli import main
-from kfed_spark.config import InputConfig
-from kfed_spark.fitting import label_rows
-from kfed_spark.io import TABLES, read_input
-from kfed_spark.kernels import federated_kmeans
-from kfed_spark.metrics import adjusted_rand_index
-from kfed_spark.params import DEFAULTS, AlgorithmParams
-
-from kfed_spark.bench import synthetic
-from kfed_spark.bench.datasets import write_parquet_folder
-from kfed_spark.workers import feature_matrix, features_array
-
 from helpers import (
     FAR_MIXTURE,
     FEATURE_MOVES,
@@ -42,6 +30,18 @@ from helpers import (
     spread,
     write_empty_config,
 )
+from kfed_spark.bench import synthetic
+from kfed_spark.bench.datasets import write_parquet_folder
+from kfed_spark.cli import main
+from kfed_spark.config import InputConfig
+from kfed_spark.fitting import label_rows
+from kfed_spark.io import read_input
+from kfed_spark.kernels import federated_kmeans
+from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.params import DEFAULTS, AlgorithmParams
+from kfed_spark.tables import TABLES
+from kfed_spark.workers import feature_matrix, features_array
+
 
 def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_path, mixture_path, capsys):
     assert run_cli(config) == 0

@@ -18,13 +18,13 @@ import duckdb
 import pytest
 from deltalake import DeltaTable
 
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, runs_of
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.errors import KFedError
 from kfed_spark.faults import FAULT_ENV
-from kfed_spark.io import DATA_TABLES, OutputTables
-
-from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, runs_of
+from kfed_spark.io import OutputTables
+from kfed_spark.tables import DATA_TABLES
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

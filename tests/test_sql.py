@@ -4,11 +4,11 @@ import duckdb
 import numpy as np
 from deltalake import DeltaTable
 
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, assert_commented, readme_device_profile_queries, run_cli
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
-from kfed_spark.io import TABLES, OutputTables
-
-from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, assert_commented, readme_device_profile_queries, run_cli
+from kfed_spark.io import OutputTables
+from kfed_spark.tables import TABLES
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 

@@ -16,17 +16,17 @@ from deltalake import DeltaTable
 from pyspark.ml.functions import array_to_vector
 from pyspark.sql import functions as F
 
+from helpers import MIXTURE, assert_commented, by_row, labels_of, mixture_estimator, run_cli
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
-from kfed_spark.stopping import STREAM_STOPPED
 from kfed_spark.estimator import KFedModel
 from kfed_spark.faults import FAULT_ENV
-from kfed_spark.io import STREAM_TABLES, OutputTables
+from kfed_spark.io import OutputTables
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.models import stored_model
+from kfed_spark.stopping import STREAM_STOPPED
 from kfed_spark.streaming import start
-
-from helpers import MIXTURE, assert_commented, by_row, labels_of, mixture_estimator, run_cli
+from kfed_spark.tables import STREAM_TABLES
 
 MIXTURE_DDL = "row_id bigint, device_id bigint, features array<double>, true_cluster int"
 SEEN_DEVICES = 45

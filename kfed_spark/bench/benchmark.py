@@ -19,11 +19,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kfed_spark.workers import feature_matrix
 from kfed_spark.config import build_config
 from kfed_spark.kernels import federated_kmeans, server_step
 from kfed_spark.metrics import adjusted_rand_index, cost_of_labels
 from kfed_spark.params import DEFAULTS, AlgorithmParams
+from kfed_spark.tables import stats_columns
+from kfed_spark.workers import feature_matrix
 
 log = logging.getLogger("kfed_spark")
 
@@ -178,7 +179,6 @@ def with_one_int_per_row(rows):
 def labels_like_stats() -> dict[str, str]:
     """The table property that keeps Delta statistics on the columns the labels table keeps them on."""
     from kfed_spark.io import STATS_COLUMNS_PROPERTY
-    from kfed_spark.job import stats_columns
 
     return {STATS_COLUMNS_PROPERTY: ",".join(stats_columns("device_id")["labels"][:1] + ["cluster_id"])}
 
@@ -189,7 +189,7 @@ def time_spark_passes(spark, data: str, out: Path) -> dict[str, float]:
     k-FED reads the input twice: once shuffled by device through a Python function (the local
     step; only a few rows come back), once through a Python UDF over the device and the features
     into a Delta write (labels; the Delta table keeps statistics on the columns the labels table
-    keeps them on, job.stats_columns).
+    keeps them on, tables.stats_columns).
     """
     rows = spark.read.parquet(data)
     labelled = with_one_int_per_row(rows)

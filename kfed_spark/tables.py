@@ -1,0 +1,325 @@
+"""The table contract: every output table's name, schema, comments, partitioning and statistics
+columns, and the rule that says which attempt of a run readers see. Every reader and writer takes
+them from here (kfed_spark.io writes them, kfed_spark.attempts keeps the runs table, the job and
+the stream fill them); only pyspark's types are imported.
+
+Each table of a run is partitioned by (run_id, attempt_id); an attempt appends its own rows, and the
+runs table's rows say which attempt of each run id is published (PUBLISHED_ATTEMPTS). The stream's
+tables hold final rows only and are not partitioned.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql.types import (
+    ArrayType,
+    BooleanType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "cluster_changes", "runs")
+DATA_TABLES = TABLES[:-1]
+"""The tables whose rows belong to one attempt of a run; `runs` says which attempts are published."""
+STREAM_TABLES = ("stream_labels", "stream_quarantine")
+"""The tables `kfed-spark stream` appends each micro-batch to, exactly once; not partitioned by attempt:
+every row in them is final."""
+PARTITION_COLUMNS = ("run_id", "attempt_id")
+
+PUBLISHED_ATTEMPTS = (
+    "SELECT run_id, max_by(attempt_id, publish_seq) AS attempt_id FROM {runs} "
+    "WHERE status = 'succeeded' GROUP BY run_id"
+)
+"""The published attempt of every run id: its succeeded attempt with the highest publish number."""
+LATEST_ATTEMPT = (
+    "SELECT run_id, attempt_id FROM {runs} WHERE status = 'succeeded' AND (run_id, attempt_id) IN ("
+    + PUBLISHED_ATTEMPTS
+    + ") ORDER BY finished_at DESC, run_id DESC LIMIT 1"
+)
+"""The published attempt of the newest succeeded run."""
+TABLE_COMMENTS = {
+    "labels": "k-FED: every valid input row with its global cluster (cluster_id), one partition per attempt "
+              "of a run; read the published attempt through the labels view or the runs table",
+    "centers": "k-FED: the k global cluster centers of each attempt of a run",
+    "local_centers": "k-FED: the local centers each device shared (the only data that left a device), with "
+                     "the global cluster each one joined",
+    "quarantine": "k-FED: input rows that could not be clustered, with the reason",
+    "device_clusters": "k-FED: each device's profile, one row per device and global cluster it has rows in "
+                       "(for per-cluster models and client selection)",
+    "cluster_changes": "k-FED: how each run's clusters relate to its reference run's (kept, new or retired), "
+                       "one row per cluster of the run and per retired cluster of the reference",
+    "runs": "k-FED: one row per attempt of a run; the succeeded attempt with the highest publish_seq of a "
+            "run_id is the published one",
+    "stream_labels": "k-FED stream: every valid row that arrived, with its global cluster from a finished run's "
+                     "model, written exactly once",
+    "stream_quarantine": "k-FED stream: rows that arrived and could not be labelled, with the reason",
+}
+"""Each output table's Delta comment (DESCRIBE DETAIL shows it as description)."""
+COLUMN_COMMENTS = {
+    "run_id": "the run (re-running a run id replaces its published attempt)",
+    "attempt_id": "the attempt of the run that wrote the row; only the published attempt's rows count",
+    "local_cluster_id": "the device's local cluster the row belongs to",
+    "center": "the center's coordinates, one per feature",
+    "distance": "the row's Euclidean distance to its global cluster's center (the squares add up to the run's cost)",
+    "margin": "(d_other - d) / (d_other + d), d the row's distance to its cluster's center and d_other to the "
+              "nearest other center: 1 on its center, 0 half-way, negative nearer another center",
+    "sse": "sum of squared distances of the local cluster's rows to its center",
+    "reason": "why the row was not clustered",
+    "status": "running, succeeded, failed, abandoned or superseded",
+    "error": "the one-line error of a failed or abandoned attempt",
+    "publish_seq": "the attempt's publish number: the succeeded attempt with the highest one is published",
+    "rows_removed": "whether the rows of this unpublished attempt were deleted from the other tables",
+    "host": "the host of the driver process of the attempt",
+    "pid": "the process id of the driver of the attempt",
+    "parent_run_id": "for a run made by assign: the run whose model labelled the rows (model:<path> for a saved "
+                     "KFedModel)",
+    "started_at": "when the attempt started (UTC)",
+    "finished_at": "when the attempt finished (UTC)",
+    "input": "the input table or path",
+    "k": "global clusters: as asked for, or as the k sweep chose with k auto (0 while it has not chosen yet)",
+    "k_range": "with k auto: the smallest and largest k swept (null: k was given)",
+    "k_sweep": "with k auto: every swept k's exact SSE, BIC, silhouette, noise ratio and stability (kfed_spark.k_sweep)",
+    "k_per_device": "local clusters per device: a number, a column or auto",
+    "seed": "the run seed; every random draw is seeded from it and the device id",
+    "seeding": "the server step's seeding rule (kmeanspp or farthest)",
+    "robust_min_size": "the server step's outlier filter (0: off); null in rows of older versions",
+    "local_restarts": "rough clusterings each device tried in its projection; null in rows of older versions",
+    "device_share": "the share of the device's labelled rows that are in the cluster",
+    "mean_sq_distance": "mean squared distance of the device's rows in the cluster to the global center",
+    "server_refine": "how the server step refines the merged centers (lloyd or none)",
+    "label_mode": "how rows get their global cluster (induced from their local center, or nearest)",
+    "dim": "number of features",
+    "n_input": "input rows",
+    "n_labelled": "rows written to labels",
+    "n_quarantined": "rows written to quarantine",
+    "n_devices": "devices",
+    "n_local_centers": "local centers the devices shared",
+    "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
+    "ari": "adjusted Rand index against the truth column, if the input has one",
+    "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
+    "timings": "seconds spent in each stage",
+    "model_run_id": "the run whose model labelled the row (model:<path> for a saved KFedModel)",
+    "new_device": "whether the model had not seen the row's device: it took the nearest global center, and the "
+                  "next run clusters the device",
+    "batch_id": "the stream's micro-batch that wrote the row",
+    "arrived_at": "when the micro-batch that wrote the row started (UTC)",
+    "config": "the run's full configuration, as JSON",
+    "identity_mode": "stable (ids matched to the reference run's) or fresh (0..k-1); null in rows of older versions",
+    "reference_run_id": "the run whose clusters this run's were matched to (null: none)",
+    "reference_attempt_id": "the published attempt of the reference run that was matched",
+    "highest_cluster_id": "the highest cluster id used in the location up to this run; null in rows of older "
+                          "versions",
+    "center_shift": "distance between the cluster's center and its reference cluster's",
+    "relative_shift": "center_shift over the pooled root-mean-square distance of both clusters' rows to their "
+                      "centers",
+    "reference_n_points": "rows of the reference cluster",
+    "reference_n_devices": "devices with rows in the reference cluster",
+    "devices_in": "devices in both runs whose largest share of rows (as their local centers count them) is in this "
+                  "cluster now and was in another",
+    "devices_out": "devices in both runs whose largest share of rows (as their local centers count them) was in "
+                   "this cluster and is in another now",
+    "versions": "versions of kfed-spark, Spark, Delta and the numeric libraries",
+}
+"""Delta comments of the output columns; a column not named here is the input's and says so."""
+TABLE_COLUMN_COMMENTS = {
+    ("labels", "cluster_id"): "the global cluster of the row",
+    ("stream_labels", "cluster_id"): "the global cluster of the row",
+    ("stream_labels", "local_cluster_id"): "the device's local cluster the row belongs to (null for a new device)",
+    ("centers", "cluster_id"): "the global cluster",
+    ("centers", "n_points"): "rows in the cluster",
+    ("centers", "n_devices"): "devices with rows in the cluster",
+    ("local_centers", "device_id"): "the device",
+    ("local_centers", "n_points"): "the device's rows in the local cluster",
+    ("local_centers", "cluster_id"): "the global cluster the local center joined",
+    ("device_clusters", "device_id"): "the device",
+    ("device_clusters", "cluster_id"): "a global cluster the device has labelled rows in",
+    ("device_clusters", "n_points"): "the device's labelled rows in the cluster",
+    ("cluster_changes", "cluster_id"): "the cluster (of this run, or retired from the reference run)",
+    ("cluster_changes", "status"): "kept (matched to a reference cluster, whose id it keeps), new (an id never "
+                                   "used before) or retired (a reference cluster no cluster of this run matched)",
+    ("cluster_changes", "n_points"): "rows in the cluster (null for a retired one)",
+    ("cluster_changes", "n_devices"): "devices with rows in the cluster (null for a retired one)",
+}
+
+def column_comment(table: str, column: str) -> str:
+    return TABLE_COLUMN_COMMENTS.get((table, column)) or COLUMN_COMMENTS.get(column) or "as in the input table"
+
+
+def partition_columns(name: str) -> tuple[str, ...]:
+    """A table's partition columns: (run_id, attempt_id) for a run's tables, none for a stream's."""
+    return () if name in STREAM_TABLES else PARTITION_COLUMNS
+
+
+RUN_ID_FIELD = StructField("run_id", StringType(), False)
+
+ATTEMPT_FIELDS = [RUN_ID_FIELD, StructField("attempt_id", StringType(), False)]
+"""What every row of a run's tables ends with."""
+
+CENTERS_FIELDS = [
+    StructField("cluster_id", IntegerType(), False),
+    StructField("center", ArrayType(DoubleType(), False), False),
+    StructField("n_points", LongType(), False),
+    StructField("n_devices", LongType(), False),
+]
+
+CENTERS_COLUMNS = [f.name for f in CENTERS_FIELDS]
+
+CLUSTER_CHANGE_FIELDS = [
+    StructField("cluster_id", IntegerType(), False),
+    StructField("status", StringType(), False),
+    StructField("reference_run_id", StringType(), True),
+    StructField("center_shift", DoubleType(), True),
+    StructField("relative_shift", DoubleType(), True),
+    StructField("n_points", LongType(), True),
+    StructField("reference_n_points", LongType(), True),
+    StructField("n_devices", LongType(), True),
+    StructField("reference_n_devices", LongType(), True),
+]
+"""cluster_changes before devices_in and devices_out (arrays of the device column's type)."""
+
+DEVICE_CLUSTER_FIELDS = [
+    StructField("cluster_id", IntegerType(), False),
+    StructField("n_points", LongType(), False),
+    StructField("device_share", DoubleType(), False),
+    StructField("mean_sq_distance", DoubleType(), False),
+]
+"""device_clusters after device_id: one row per device and global cluster it has labelled rows in."""
+
+
+LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
+
+LOCAL_CENTER_FIELDS = [
+    StructField("local_cluster_id", IntegerType(), False),
+    StructField("center", ArrayType(DoubleType(), False), False),
+    StructField("n_points", LongType(), False),
+    StructField("sse", DoubleType(), False),
+]
+"""The fields of a local center after its device_id."""
+
+
+def labelled_fields(raw_schema: StructType) -> list[StructField]:
+    """The input's columns followed by the columns the labels table adds: the row's local and global
+    cluster, its distance to the global center and its margin (kernels.assigned_with_margin)."""
+    return list(raw_schema.fields) + [
+        StructField("local_cluster_id", IntegerType(), True),
+        StructField("cluster_id", IntegerType(), True),
+        StructField("distance", DoubleType(), True),
+        StructField("margin", DoubleType(), True),
+    ]
+
+
+ADDED_COLUMNS = (*[f.name for f in labelled_fields(StructType())], *PARTITION_COLUMNS)
+"""The columns the labels table adds to the input's: an input column of one of these names is refused."""
+
+
+def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructType]:
+    """The schema of every output table for an input of this schema; each ends with (run_id, attempt_id)."""
+    device = StructField("device_id", raw_schema[device_col].dataType, False)
+    tagged = ATTEMPT_FIELDS
+    return {
+        "labels": StructType(labelled_fields(raw_schema) + tagged),
+        "centers": StructType(CENTERS_FIELDS + tagged),
+        "local_centers": StructType([device, *LOCAL_CENTER_FIELDS, StructField("cluster_id", IntegerType(), False),
+                                     *tagged]),
+        "quarantine": StructType(list(raw_schema.fields) + [StructField("reason", StringType(), False), *tagged]),
+        "device_clusters": StructType([device, *DEVICE_CLUSTER_FIELDS, *tagged]),
+        "cluster_changes": StructType([*CLUSTER_CHANGE_FIELDS,
+                                       *[StructField(name, ArrayType(device.dataType, False), False)
+                                         for name in ("devices_in", "devices_out")], *tagged]),
+        "runs": RUNS_SCHEMA,
+    }
+
+
+def stats_columns(device_col: str) -> dict[str, list[str]]:
+    """The columns whose statistics Delta keeps in the tables that hold input rows: the ones their
+    readers filter on (run_id and attempt_id are partition columns, which need none)."""
+    return {"labels": [device_col, "local_cluster_id", "cluster_id"], "quarantine": [device_col, "reason"]}
+
+
+K_SWEEP_TYPE = StructType([
+    StructField("k", IntegerType(), False),
+    StructField("sse", DoubleType(), False),
+    StructField("bic", DoubleType(), False),
+    StructField("silhouette", DoubleType(), False),
+    StructField("noise_ratio", DoubleType(), True),
+    StructField("stability", DoubleType(), True),
+])
+"""One k of a k auto run's sweep (kfed_spark.k_sweep.KFigures without its seconds)."""
+
+RUNS_SCHEMA = StructType(
+    [
+        StructField("run_id", StringType(), False),
+        StructField("attempt_id", StringType(), False),
+        StructField("status", StringType(), False),
+        StructField("error", StringType(), True),
+        StructField("publish_seq", LongType(), True),
+        StructField("rows_removed", BooleanType(), False),
+        StructField("host", StringType(), False),
+        StructField("pid", LongType(), False),
+        StructField("parent_run_id", StringType(), True),
+        StructField("started_at", TimestampType(), False),
+        StructField("finished_at", TimestampType(), True),
+        StructField("input", StringType(), False),
+        StructField("k", IntegerType(), False),
+        StructField("k_per_device", StringType(), False),
+        StructField("seed", LongType(), False),
+        StructField("seeding", StringType(), False),
+        StructField("server_refine", StringType(), False),
+        StructField("label_mode", StringType(), False),
+        StructField("dim", IntegerType(), True),
+        StructField("n_input", LongType(), True),
+        StructField("n_labelled", LongType(), True),
+        StructField("n_quarantined", LongType(), True),
+        StructField("n_devices", LongType(), True),
+        StructField("n_local_centers", LongType(), True),
+        StructField("cost", DoubleType(), True),
+        StructField("ari", DoubleType(), True),
+        StructField("truth_cost", DoubleType(), True),
+        StructField("timings", MapType(StringType(), DoubleType()), False),
+        StructField("config", StringType(), False),
+        StructField("versions", MapType(StringType(), StringType()), False),
+        # Added after the first release: null in the rows of older versions (io.OutputTables.prepare adds them).
+        StructField("local_restarts", IntegerType(), True),
+        StructField("robust_min_size", DoubleType(), True),
+        StructField("identity_mode", StringType(), True),
+        StructField("reference_run_id", StringType(), True),
+        StructField("reference_attempt_id", StringType(), True),
+        StructField("highest_cluster_id", IntegerType(), True),
+        StructField("k_range", ArrayType(IntegerType(), False), True),
+        StructField("k_sweep", ArrayType(K_SWEEP_TYPE, False), True),
+    ]
+)
+"""The runs table: one row per attempt (kfed_spark.attempts writes them)."""
+
+
+BATCH_FIELDS = [
+    StructField("model_run_id", StringType(), False),
+    StructField("batch_id", LongType(), False),
+    StructField("arrived_at", TimestampType(), False),
+]
+"""What every row of the stream's tables ends with."""
+
+
+def stream_schemas(raw_schema: StructType) -> dict[str, StructType]:
+    """The schema of the stream's two tables for an input of this schema."""
+    return {
+        "stream_labels": StructType(
+            labelled_fields(raw_schema) + [StructField("new_device", BooleanType(), True), *BATCH_FIELDS]
+        ),
+        "stream_quarantine": StructType(
+            list(raw_schema.fields) + [StructField("reason", StringType(), False), *BATCH_FIELDS]
+        ),
+    }
+
+
+def stream_stats_columns(device_col: str) -> dict[str, list[str]]:
+    """The columns whose statistics Delta keeps in the stream's tables: the ones their readers filter on."""
+    return {
+        "stream_labels": [device_col, "cluster_id", "model_run_id", "batch_id", "arrived_at"],
+        "stream_quarantine": [device_col, "reason", "batch_id", "arrived_at"],
+    }
