@@ -57,9 +57,14 @@ RUN_ID = "{{ kfed_run_id(dag_run.logical_date, dag_run.run_id) }}"  # logical_da
 def log_failure(context) -> None:
     """on_failure_callback: say which k-FED run failed and why, in the task's log."""
     dag_run = context["dag_run"]
-    log.error("k-FED run %s (DAG run %s, task %s, try %s) failed: %s",
-              kfed_run_id(dag_run.logical_date, dag_run.run_id), dag_run.run_id, context["task_instance"].task_id,
-              context["task_instance"].try_number, context.get("exception"))
+    log.error(
+        "k-FED run %s (DAG run %s, task %s, try %s) failed: %s",
+        kfed_run_id(dag_run.logical_date, dag_run.run_id),
+        dag_run.run_id,
+        context["task_instance"].task_id,
+        context["task_instance"].try_number,
+        context.get("exception"),
+    )
 
 
 @task
@@ -68,9 +73,11 @@ def check_run(output: str, kfed_run_id: str, max_quarantine_share: float) -> dic
     from deltalake import DeltaTable
 
     # (not named run_id: Airflow reserves that argument name for its own run id)
-    attempts = DeltaTable(f"{output}/runs").to_pyarrow_table(
-        filters=[("run_id", "=", kfed_run_id), ("status", "=", "succeeded")]
-    ).to_pylist()
+    attempts = (
+        DeltaTable(f"{output}/runs")
+        .to_pyarrow_table(filters=[("run_id", "=", kfed_run_id), ("status", "=", "succeeded")])
+        .to_pylist()
+    )
     if not attempts:
         raise ValueError(f"k-FED run {kfed_run_id} did not succeed: no published attempt in {output}/runs")
     run = max(attempts, key=lambda attempt: attempt["publish_seq"])  # the published attempt
@@ -121,15 +128,34 @@ with DAG(
     default_args={"retries": 2, "retry_delay": pendulum.duration(minutes=10), "on_failure_callback": log_failure},
     tags=["kfed"],
 ) as dag:
-    cluster = spark_job("kfed_cluster", f"kfed-{RUN_ID}", [
-        "run", "--config", "{{ params.config }}",
-        "--set", f"run_id={RUN_ID}",
-        "--set", "output.path={{ params.output }}",
-    ])
-    stream = spark_job("kfed_stream", f"kfed-stream-{RUN_ID}", [
-        "stream", "--available-now", "--model-run", RUN_ID, "--config", "{{ params.config }}",
-        "--set", "output.path={{ params.output }}",
-        "--set", "input.path={{ params.stream_input }}",
-    ])
+    cluster = spark_job(
+        "kfed_cluster",
+        f"kfed-{RUN_ID}",
+        [
+            "run",
+            "--config",
+            "{{ params.config }}",
+            "--set",
+            f"run_id={RUN_ID}",
+            "--set",
+            "output.path={{ params.output }}",
+        ],
+    )
+    stream = spark_job(
+        "kfed_stream",
+        f"kfed-stream-{RUN_ID}",
+        [
+            "stream",
+            "--available-now",
+            "--model-run",
+            RUN_ID,
+            "--config",
+            "{{ params.config }}",
+            "--set",
+            "output.path={{ params.output }}",
+            "--set",
+            "input.path={{ params.stream_input }}",
+        ],
+    )
     checked = check_run("{{ params.output }}", RUN_ID, "{{ params.max_quarantine_share }}")
     cluster >> checked >> stream_wanted("{{ params.stream_input }}") >> stream

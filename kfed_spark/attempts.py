@@ -41,6 +41,7 @@ RUNNING, SUCCEEDED, SUPERSEDED, FAILED, ABANDONED = "running", "succeeded", "sup
 FINISHED_UNPUBLISHED = (FAILED, ABANDONED, SUPERSEDED)
 """Statuses whose rows no reader sees and the tidy-up deletes."""
 
+
 @dataclass(frozen=True)
 class Attempt:
     run_id: str
@@ -107,8 +108,14 @@ class Ledger:
         rows = self.tidy(rows=known)
         run_id = row["run_id"]
         attempt = Attempt(run_id, row["attempt_id"], committed_publish_seqs(rows)[run_id] + 1)
-        row.update(status=RUNNING, publish_seq=attempt.publish_seq, error=None, rows_removed=False,
-                   host=socket.gethostname(), pid=os.getpid())
+        row.update(
+            status=RUNNING,
+            publish_seq=attempt.publish_seq,
+            error=None,
+            rows_removed=False,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
         self.write(row, new=True)  # attempt ids are unique: no row to replace
         log.info("run %s: attempt %s started (publish number %d)", run_id, attempt.attempt_id, attempt.publish_seq)
         return attempt
@@ -136,8 +143,11 @@ class Ledger:
         published since, if this process stalled."""
         try:
             for other in rows:
-                if (other["run_id"] == attempt.run_id and other["status"] == SUCCEEDED
-                        and other["publish_seq"] < attempt.publish_seq):
+                if (
+                    other["run_id"] == attempt.run_id
+                    and other["status"] == SUCCEEDED
+                    and other["publish_seq"] < attempt.publish_seq
+                ):
                     self.write({**other, "status": SUPERSEDED})
         except Exception as exc:
             log.warning("could not mark the earlier attempts of run %s superseded: %s", attempt.run_id, first_line(exc))
@@ -158,13 +168,22 @@ class Ledger:
         except Exception as exc:
             log.warning("could not delete the rows of failed attempt %s: %s", row["attempt_id"], first_line(exc))
         try:
-            self.write({**row, "status": FAILED, "error": error, "publish_seq": None, "rows_removed": removed,
-                        "finished_at": datetime.now(timezone.utc)})
+            self.write(
+                {
+                    **row,
+                    "status": FAILED,
+                    "error": error,
+                    "publish_seq": None,
+                    "rows_removed": removed,
+                    "finished_at": datetime.now(timezone.utc),
+                }
+            )
         except Exception as exc:
             log.warning("could not record failed attempt %s: %s", row["attempt_id"], first_line(exc))
 
-    def tidy(self, abandon_after: timedelta | None = None, rows: list[dict[str, Any]] | None = None
-             ) -> list[dict[str, Any]]:
+    def tidy(
+        self, abandon_after: timedelta | None = None, rows: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         """Mark abandoned and superseded attempts and delete the rows of every finished unpublished one;
         returns the runs rows as they are afterwards. Best effort: a step that fails (another process
         tidying at the same time) is logged and left for the next tidy-up.
@@ -182,8 +201,12 @@ class Ledger:
             try:
                 row = self._tidy_one(row, committed, published, now, abandon_after)
             except Exception as exc:
-                log.warning("tidy-up of attempt %s of run %s left for later: %s", row["attempt_id"], row["run_id"],
-                            first_line(exc))
+                log.warning(
+                    "tidy-up of attempt %s of run %s left for later: %s",
+                    row["attempt_id"],
+                    row["run_id"],
+                    first_line(exc),
+                )
             result.append(row)
         return result
 
@@ -204,8 +227,9 @@ class Ledger:
             else:
                 return row
             # Only a fenced abandonment committed the attempt's publish number (committed_publish_seqs).
-            changed.update(status=ABANDONED, error=why, finished_at=now,
-                           publish_seq=row["publish_seq"] if fenced else None)
+            changed.update(
+                status=ABANDONED, error=why, finished_at=now, publish_seq=row["publish_seq"] if fenced else None
+            )
             log.info("run %s: attempt %s %s", run_id, row["attempt_id"], why)
         elif row["status"] == SUCCEEDED and published.get(run_id) != row["attempt_id"]:
             changed["status"] = SUPERSEDED
@@ -237,8 +261,9 @@ def published_attempts(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {run_id: attempt for run_id, (_, attempt) in best.items()}
 
 
-def reference_attempt(rows: list[dict[str, Any]], run_id: str, started_at: datetime, named: str | None = None
-                      ) -> dict[str, Any] | None:
+def reference_attempt(
+    rows: list[dict[str, Any]], run_id: str, started_at: datetime, named: str | None = None
+) -> dict[str, Any] | None:
     """The runs row of the published attempt whose clusters a new attempt of run_id matches (identity):
     the named run id's, or else the newest published run of another run id that finished before
     started_at (None if there is none). A named run id that is not published is a ConfigError."""
@@ -258,8 +283,10 @@ def highest_cluster_id(rows: list[dict[str, Any]], run_id: str) -> int:
     of an older version, without highest_cluster_id, used 0..k-1. The run id's own attempts do not
     count, so that a re-run gives its new clusters the same ids again."""
     ever_published = [r for r in rows if r["status"] in (SUCCEEDED, SUPERSEDED) and r["run_id"] != run_id]
-    return max((r["k"] - 1 if r.get("highest_cluster_id") is None else r["highest_cluster_id"]
-                for r in ever_published), default=-1)
+    return max(
+        (r["k"] - 1 if r.get("highest_cluster_id") is None else r["highest_cluster_id"] for r in ever_published),
+        default=-1,
+    )
 
 
 def _utc(moment: datetime) -> datetime:

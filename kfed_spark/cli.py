@@ -56,25 +56,42 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kfed-spark",
         description="One-shot federated clustering (k-FED) of a device-keyed table on Spark, with Delta outputs.",
     )
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="level of the job's own log lines on stderr (default INFO); Spark's is spark.log.level")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="level of the job's own log lines on stderr (default INFO); Spark's is spark.log.level",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # The arguments several commands share, declared once.
     configured = argparse.ArgumentParser(add_help=False)
     configured.add_argument("--config", required=True, help="YAML config file (see conf/local.yaml)")
-    configured.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                            help="override a dotted config key, e.g. --set input.path=/data/x --set k=64 (repeatable)")
+    configured.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a dotted config key, e.g. --set input.path=/data/x --set k=64 (repeatable)",
+    )
     located = argparse.ArgumentParser(add_help=False)
     located.add_argument("--output", help="the output location (default: output.path of --config)")
     located.add_argument("--config", help="YAML config whose output.path and spark settings to use")
     run_output = argparse.ArgumentParser(add_help=False)
-    run_output.add_argument("--json", action="store_true",
-                            help="print the run's figures as one JSON object on stdout (for Airflow's XCom and scripts)")
-    run_output.add_argument("--quiet", action="store_true",
-                            help="only warnings and the error line on stderr: no stage lines, Spark at ERROR")
+    run_output.add_argument(
+        "--json",
+        action="store_true",
+        help="print the run's figures as one JSON object on stdout (for Airflow's XCom and scripts)",
+    )
+    run_output.add_argument(
+        "--quiet",
+        action="store_true",
+        help="only warnings and the error line on stderr: no stage lines, Spark at ERROR",
+    )
 
-    run = commands.add_parser("run", parents=[configured, run_output],
-                              help="cluster a table and write the Delta tables of one run")
+    run = commands.add_parser(
+        "run", parents=[configured, run_output], help="cluster a table and write the Delta tables of one run"
+    )
     run.add_argument(
         "--dry-run",
         action="store_true",
@@ -83,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=command_run)
 
     assign = commands.add_parser(
-        "assign", parents=[configured, run_output],
+        "assign",
+        parents=[configured, run_output],
         help="label a new input with a published run's model and write it as a new run of the same tables "
         "(--config: the new input, the same output.path)",
     )
@@ -91,52 +109,82 @@ def build_parser() -> argparse.ArgumentParser:
     assign.set_defaults(handler=command_assign)
 
     stream = commands.add_parser(
-        "stream", parents=[configured, run_output],
+        "stream",
+        parents=[configured, run_output],
         help="label rows as they arrive in the input (files of a folder, a Delta table) with a finished model, "
         "appending them to stream_labels and stream_quarantine exactly once (--config: the input to watch, "
         "output.path, stream.*)",
     )
     add_model_arguments(stream, required=False)
     trigger = stream.add_mutually_exclusive_group()
-    trigger.add_argument("--available-now", action="store_true",
-                         help="label what has arrived since the last batch, then stop (for scheduled tasks)")
-    trigger.add_argument("--trigger-seconds", type=float, metavar="SECONDS",
-                         help="run on, one micro-batch every SECONDS (default stream.trigger_seconds, 60)")
+    trigger.add_argument(
+        "--available-now",
+        action="store_true",
+        help="label what has arrived since the last batch, then stop (for scheduled tasks)",
+    )
+    trigger.add_argument(
+        "--trigger-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="run on, one micro-batch every SECONDS (default stream.trigger_seconds, 60)",
+    )
     stream.set_defaults(handler=command_stream)
 
     sql = commands.add_parser(
-        "sql", parents=[located],
+        "sql",
+        parents=[located],
         help="run a Spark SQL query against the tables of an output location and print the result",
     )
-    sql.add_argument("query", help="the query; views labels, centers, local_centers and quarantine hold the "
-                     "published attempt of every run, latest_labels (and latest_centers, ...) the newest "
-                     "succeeded run, runs every attempt with its status, stream_labels and stream_quarantine what "
-                     "`stream` wrote there")
+    sql.add_argument(
+        "query",
+        help="the query; views labels, centers, local_centers and quarantine hold the "
+        "published attempt of every run, latest_labels (and latest_centers, ...) the newest "
+        "succeeded run, runs every attempt with its status, stream_labels and stream_quarantine what "
+        "`stream` wrote there",
+    )
     sql.add_argument("--limit", type=int, default=100, help="rows to print at most (default 100)")
     sql.set_defaults(handler=command_sql)
 
     maintain = commands.add_parser(
-        "maintain", parents=[located],
+        "maintain",
+        parents=[located],
         help="tidy an output location: mark attempts whose process is gone as abandoned, and delete the rows "
         "of failed, abandoned and superseded attempts",
     )
-    maintain.add_argument("--abandon-after-hours", type=float, metavar="HOURS",
-                          help="also abandon attempts still running after this long, on any host")
+    maintain.add_argument(
+        "--abandon-after-hours",
+        type=float,
+        metavar="HOURS",
+        help="also abandon attempts still running after this long, on any host",
+    )
     maintain.set_defaults(handler=command_maintain)
 
-    report = commands.add_parser("report", parents=[located], help="print the report of a run (its report.json, as text)")
+    report = commands.add_parser(
+        "report", parents=[located], help="print the report of a run (its report.json, as text)"
+    )
     report.add_argument("run_id", metavar="RUN_ID", help="the run whose report to print")
     report.add_argument("--json", action="store_true", help="print report.json as it is")
     report.set_defaults(handler=command_report)
 
     choose_k = commands.add_parser(
-        "choose-k", parents=[located], help="sweep k over a published run's local centers (no pass over the rows), print every k's "
+        "choose-k",
+        parents=[located],
+        help="sweep k over a published run's local centers (no pass over the rows), print every k's "
         "figures and the recommended k, and store the sweep beside the run's report",
     )
-    choose_k.add_argument("--k", dest="k_range", required=True, type=k_range_argument, metavar="LO:HI[:STEP]",
-                          help="the ks to sweep, both ends included, e.g. 2:100 or 10:200:10")
-    choose_k.add_argument("--run", metavar="RUN_ID", help="the published run whose local centers to sweep "
-                          "(default: the newest succeeded run)")
+    choose_k.add_argument(
+        "--k",
+        dest="k_range",
+        required=True,
+        type=k_range_argument,
+        metavar="LO:HI[:STEP]",
+        help="the ks to sweep, both ends included, e.g. 2:100 or 10:200:10",
+    )
+    choose_k.add_argument(
+        "--run",
+        metavar="RUN_ID",
+        help="the published run whose local centers to sweep (default: the newest succeeded run)",
+    )
     choose_k.add_argument("--json", action="store_true", help="print the sweep as one JSON object on stdout")
     choose_k.set_defaults(handler=command_choose_k)
 
@@ -144,8 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
         "package", help="build what spark-submit ships to executors: the package zip and a packed environment"
     )
     package.add_argument("--out", default="dist", help="output folder (default dist)")
-    package.add_argument("--python-prefix", metavar="PATH",
-                         help="where the executors' Python 3.11 lives, if not at this machine's prefix")
+    package.add_argument(
+        "--python-prefix",
+        metavar="PATH",
+        help="where the executors' Python 3.11 lives, if not at this machine's prefix",
+    )
     package.set_defaults(handler=command_package)
 
     generate = commands.add_parser("generate", help="write a heterogeneous Gaussian mixture as Parquet")
@@ -158,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument("dataset", choices=DATASET_NAMES, help="which dataset")
     prepare.add_argument("--out", required=True, help="output folder for the Parquet file")
-    prepare.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
+    prepare.add_argument(
+        "--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)"
+    )
     prepare.add_argument("--max-devices", type=int, help="keep only this many devices (a small slice)")
     prepare.add_argument("--seed", type=int, default=0, help="seed of any random split (default 0)")
     prepare.set_defaults(handler=command_prepare)
@@ -168,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=command_demo)
 
     bench = commands.add_parser(
-        "bench", help="time k-FED on Spark against MLlib KMeans and Spark's bare passes, each as a fresh process, "
-        "then in one warm session with a no-Spark floor and scikit-learn"
+        "bench",
+        help="time k-FED on Spark against MLlib KMeans and Spark's bare passes, each as a fresh process, "
+        "then in one warm session with a no-Spark floor and scikit-learn",
     )
     bench.add_argument("--data", help="a generated mixture (Parquet); default: generate one into --out")
     bench.add_argument("--out", default="kfed-bench", help="folder for the data, the tables and the report")
@@ -177,22 +231,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
     bench.add_argument("--driver-memory", default="2g", help="Spark driver memory (default 2g)")
     bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
-    bench.add_argument("--repeats", type=int, default=3,
-                       help="runs of each method in the warm session; the fastest counts (default 3)")
-    bench.add_argument("--no-warm", action="store_true",
-                       help="only the fresh processes: skip the second table, timed in one warm session")
-    bench.add_argument("--mllib-limit", type=float, metavar="SECONDS",
-                       help="stop MLlib's fit after this long and report its time as a lower bound (default: none)")
+    bench.add_argument(
+        "--repeats", type=int, default=3, help="runs of each method in the warm session; the fastest counts (default 3)"
+    )
+    bench.add_argument(
+        "--no-warm",
+        action="store_true",
+        help="only the fresh processes: skip the second table, timed in one warm session",
+    )
+    bench.add_argument(
+        "--mllib-limit",
+        type=float,
+        metavar="SECONDS",
+        help="stop MLlib's fit after this long and report its time as a lower bound (default: none)",
+    )
     bench.set_defaults(handler=command_bench)
 
     quality = commands.add_parser(
         "bench-quality",
         help="ARI, NMI and cost of k-FED variants, MLlib and scikit-learn on the real datasets and a mixture",
     )
-    quality.add_argument("--datasets", help=f"comma-separated names among {', '.join(DATASET_NAMES)}, mixture, "
-                         "mixture-iid, mixture-outliers, close-means, mixture-uneven (default: all)")
+    quality.add_argument(
+        "--datasets",
+        help=f"comma-separated names among {', '.join(DATASET_NAMES)}, mixture, "
+        "mixture-iid, mixture-outliers, close-means, mixture-uneven (default: all)",
+    )
     quality.add_argument("--out", default="kfed-quality", help="folder for quality.json and quality.md")
-    quality.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
+    quality.add_argument(
+        "--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)"
+    )
     quality.add_argument("--max-devices", type=int, help="use only this many devices of each real dataset")
     quality.add_argument("--seed", type=int, default=0, help="seed of every method (default 0)")
     quality.set_defaults(handler=command_bench_quality)
@@ -203,11 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--k", type=int, default=1000, help="global clusters (default 1000)")
     server.add_argument("--dim", type=int, default=32, help="dimension (default 32)")
     server.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    server.add_argument("--distributed", action="store_true",
-                        help="run the distributed server step on a local Spark (server_step: distributed) instead "
-                        "of the driver's numpy one")
-    server.add_argument("--out", default="kfed-bench-server", help="with --distributed: folder for the generated "
-                        "local centers and their clusters")
+    server.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run the distributed server step on a local Spark (server_step: distributed) instead "
+        "of the driver's numpy one",
+    )
+    server.add_argument(
+        "--out",
+        default="kfed-bench-server",
+        help="with --distributed: folder for the generated local centers and their clusters",
+    )
     server.add_argument("--driver-memory", default="2g", help="with --distributed: Spark driver memory (default 2g)")
     server.set_defaults(handler=command_bench_server)
     return parser
@@ -216,8 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
 def add_model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     """--model-run RUN_ID or --model PATH: the finished model that assign and stream apply."""
     group = parser.add_mutually_exclusive_group(required=required)
-    group.add_argument("--model-run", metavar="RUN_ID", help="the published run under output.path whose model to apply"
-                       + ("" if required else " (default: the newest succeeded run)"))
+    group.add_argument(
+        "--model-run",
+        metavar="RUN_ID",
+        help="the published run under output.path whose model to apply"
+        + ("" if required else " (default: the newest succeeded run)"),
+    )
     group.add_argument("--model", metavar="PATH", help="a KFedModel saved by the estimator (model.write().save(PATH))")
 
 
@@ -249,8 +326,13 @@ def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--points-per-device", type=int, default=500, help="rows per device (default 500)")
     parser.add_argument("--dim", type=int, default=32, help="number of features (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and of every method (default 0)")
-    parser.add_argument("--wide", type=int, default=0, metavar="W",
-                        help="W more columns that clustering does not read, doubles and strings (default 0)")
+    parser.add_argument(
+        "--wide",
+        type=int,
+        default=0,
+        metavar="W",
+        help="W more columns that clustering does not read, doubles and strings (default 0)",
+    )
 
 
 def command_bench(args: argparse.Namespace) -> int:
@@ -267,19 +349,37 @@ def command_bench(args: argparse.Namespace) -> int:
     data = args.data
     if data is None:
         data = str(out / "input")
-        write_mixture(data, k=args.k, k_per_device=args.k_per_device, devices=args.devices,
-                      points_per_device=args.points_per_device, dim=args.dim, seed=args.seed, wide=args.wide)
+        write_mixture(
+            data,
+            k=args.k,
+            k_per_device=args.k_per_device,
+            devices=args.devices,
+            points_per_device=args.points_per_device,
+            dim=args.dim,
+            seed=args.seed,
+            wide=args.wide,
+        )
     command = "kfed-spark bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "kfed-spark bench"
-    fresh = benchmark_fresh(data, out / "fresh", args.k, args.k_per_device, args.seed, command, args.master,
-                            args.driver_memory)
+    fresh = benchmark_fresh(
+        data, out / "fresh", args.k, args.k_per_device, args.seed, command, args.master, args.driver_memory
+    )
     sections = ["## Fresh processes, as spark-submit, Airflow and cron run each contender", "", fresh.markdown()]
     saved = {"fresh": asdict(fresh)}
     if not args.no_warm:
         spark = bench_session("kfed-spark-bench", args.driver_memory, args.master)
-        warm = benchmark(spark, data, out / "warm", args.k, args.k_per_device, args.seed, command,
-                         not args.no_sklearn, args.repeats, args.mllib_limit)
-        sections += ["## One warm session (JVM, Python workers and output tables warmed up first)", "",
-                     warm.markdown()]
+        warm = benchmark(
+            spark,
+            data,
+            out / "warm",
+            args.k,
+            args.k_per_device,
+            args.seed,
+            command,
+            not args.no_sklearn,
+            args.repeats,
+            args.mllib_limit,
+        )
+        sections += ["## One warm session (JVM, Python workers and output tables warmed up first)", "", warm.markdown()]
         saved["warm"] = asdict(warm)
     (out / "benchmark.json").write_text(json.dumps(saved, indent=2))
     (out / "benchmark.md").write_text("\n".join(sections))
@@ -299,7 +399,9 @@ def command_bench_quality(args: argparse.Namespace) -> int:
     require_sklearn("bench-quality", "(its centralized baseline)")
     conf = {**QUIET_LOCAL_SPARK, "spark.ui.showConsoleProgress": "false"}
     spark = build_session(SparkConfig(master="local[2]", app_name="kfed-spark-quality", conf=conf))
-    command = "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-quality"] else "kfed-spark bench-quality"
+    command = (
+        "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-quality"] else "kfed-spark bench-quality"
+    )
     out = Path(args.out).resolve()
     rows = bench_quality(spark, names, out, args.data_dir, args.max_devices, args.seed, command)
     print(markdown(rows, command))
@@ -320,8 +422,9 @@ def command_bench_server(args: argparse.Namespace) -> int:
 
     if args.distributed:
         spark = bench_session("kfed-spark-bench-server", args.driver_memory)
-        figures = benchmark_distributed_server(spark, Path(args.out).resolve(), args.devices, args.per_device, args.k,
-                                               args.dim, args.seed)
+        figures = benchmark_distributed_server(
+            spark, Path(args.out).resolve(), args.devices, args.per_device, args.k, args.dim, args.seed
+        )
     else:
         figures = benchmark_server(args.devices, args.per_device, args.k, args.dim, args.seed)
     for name, value in figures.items():
@@ -340,7 +443,8 @@ def command_run(args: argparse.Namespace) -> int:
         return 0
     result = execute(cfg)
     print_result(
-        args, result,
+        args,
+        result,
         f"run {result.run_id} (attempt {result.attempt_id}, published): {result.n_labelled} rows labelled, "
         f"{result.n_quarantined} quarantined, {result.n_devices} devices, cost {result.cost:.6g}"
         + (f", ARI {result.ari:.4f}" if result.ari is not None else "")
@@ -387,9 +491,11 @@ def command_assign(args: argparse.Namespace) -> int:
     stop_on_sigterm()
     result = execute(cfg, parent_run_id=args.model_run, model_path=args.model)
     print_result(
-        args, result,
+        args,
+        result,
         f"run {result.run_id} (model of {result.parent_run_id}): {result.n_labelled} rows labelled, "
-        f"{result.n_quarantined} quarantined, {result.n_devices} devices in the model; tables under {result.output_path}",
+        f"{result.n_quarantined} quarantined, {result.n_devices} devices in the model; "
+        f"tables under {result.output_path}",
     )
     return 0
 
@@ -400,7 +506,9 @@ def command_stream(args: argparse.Namespace) -> int:
     from kfed_spark.session import build_session
     from kfed_spark.streaming import start
 
-    overrides = args.overrides + ([] if args.trigger_seconds is None else [f"stream.trigger_seconds={args.trigger_seconds}"])
+    overrides = args.overrides + (
+        [] if args.trigger_seconds is None else [f"stream.trigger_seconds={args.trigger_seconds}"]
+    )
     cfg = spark_quiet(load_config(shipped_config(args.config), overrides), args)
     stop_on_sigterm(STREAM_STOPPED)
     spark = build_session(cfg.spark)
@@ -409,7 +517,8 @@ def command_stream(args: argparse.Namespace) -> int:
     stream.query.awaitTermination()
     result = stream.result()
     print_result(
-        args, result,
+        args,
+        result,
         f"stream with the model of {result.model_run_id}: {result.batches} micro-batches, {result.n_labelled} rows "
         f"labelled into {result.labels_table}, {result.n_quarantined} quarantined into {result.quarantine_table}, "
         f"{result.n_new_devices} devices the model had not seen",
@@ -478,11 +587,17 @@ def command_choose_k(args: argparse.Namespace) -> int:
     tables.write_report(model.origin, model.attempt_id, files)
     where = tables.report_dir(model.origin, model.attempt_id)
     if args.json:
-        print(json.dumps({"run_id": model.origin, "attempt_id": model.attempt_id, "stored_in": where,
-                          **sweep.as_dict()}, sort_keys=True))
+        print(
+            json.dumps(
+                {"run_id": model.origin, "attempt_id": model.attempt_id, "stored_in": where, **sweep.as_dict()},
+                sort_keys=True,
+            )
+        )
     else:
-        print(f"k sweep of run {model.origin} (attempt {model.attempt_id}): {sweep.n_local_centers} local centers of "
-              f"{sweep.n_rows} rows\n{sweep.text()}\nstored in {where}/{{{','.join(files)}}}")
+        print(
+            f"k sweep of run {model.origin} (attempt {model.attempt_id}): {sweep.n_local_centers} local centers of "
+            f"{sweep.n_rows} rows\n{sweep.text()}\nstored in {where}/{{{','.join(files)}}}"
+        )
     return 0
 
 
@@ -499,8 +614,10 @@ def command_maintain(args: argparse.Namespace) -> int:
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-    print(f"{len(rows)} attempts under {tables.root}: "
-          + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    print(
+        f"{len(rows)} attempts under {tables.root}: "
+        + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    )
     return 0
 
 
@@ -559,8 +676,8 @@ def command_prepare(args: argparse.Namespace) -> int:
 
 
 def command_demo(args: argparse.Namespace) -> int:
-    from kfed_spark.io import attempt_filter
     from kfed_spark.bench.synthetic import write_mixture
+    from kfed_spark.io import attempt_filter
 
     folder = Path(args.folder).resolve()
     data = folder / "input"
@@ -598,7 +715,8 @@ def command_demo(args: argparse.Namespace) -> int:
         f"  k-means cost {result.cost:.6g} ({result.cost / result.truth_cost:.4f} x the planted clusters' cost)\n"
         f"  ARI against the planted clusters {result.ari:.4f}\n"
         f"  tables (Delta): {result.output_path}/{{labels,centers,local_centers,quarantine,runs}}\n"
-        f"  report: {result.output_path}/reports/demo/{result.attempt_id}/report.html (kfed-spark report demo --output {result.output_path})\n"
+        f"  report: {result.output_path}/reports/demo/{result.attempt_id}/report.html "
+        f"(kfed-spark report demo --output {result.output_path})\n"
         f"  query: {query}\n\n{top.to_string(index=False)}"
     )
     return 0

@@ -99,8 +99,13 @@ class KFedConfig(AlgorithmParams):
     """Write report.json and report.html under <output.path>/reports/<run_id>/<attempt_id>/."""
 
 
-SECTIONS = {"input": InputConfig, "output": OutputConfig, "spark": SparkConfig, "stream": StreamConfig,
-            "identity": IdentityConfig}
+SECTIONS = {
+    "input": InputConfig,
+    "output": OutputConfig,
+    "spark": SparkConfig,
+    "stream": StreamConfig,
+    "identity": IdentityConfig,
+}
 MAPPING_KEYS = ("spark.conf", "input.options")
 """Config keys whose values are free-form mappings with dotted keys of their own."""
 

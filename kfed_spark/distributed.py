@@ -20,10 +20,12 @@ from kfed_spark.kernels import ServerClustering, server_step
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import cluster_batches, feature_matrix, representatives_from_batches
 
-REPRESENTATIVE_SCHEMA = StructType([
-    StructField("center", ArrayType(DoubleType(), False), False),
-    StructField("weight", DoubleType(), False),
-])
+REPRESENTATIVE_SCHEMA = StructType(
+    [
+        StructField("center", ArrayType(DoubleType(), False), False),
+        StructField("weight", DoubleType(), False),
+    ]
+)
 
 
 def global_centers(local: DataFrame, dim: int, params: AlgorithmParams) -> ServerClustering:
@@ -35,13 +37,20 @@ def global_centers(local: DataFrame, dim: int, params: AlgorithmParams) -> Serve
         median = local.agg(F.percentile_approx("n_points", 0.5, 100_000)).first()[0]
         eligible = local.filter(F.col("n_points") >= params.robust_min_size * median)
     m = params.server_representatives * params.k
-    found = eligible.select("device_id", "local_cluster_id", "center", "n_points").mapInArrow(
-        lambda batches: representatives_from_batches(batches, m, dim, params.seed), REPRESENTATIVE_SCHEMA
-    ).toArrow()
+    found = (
+        eligible.select("device_id", "local_cluster_id", "center", "n_points")
+        .mapInArrow(lambda batches: representatives_from_batches(batches, m, dim, params.seed), REPRESENTATIVE_SCHEMA)
+        .toArrow()
+    )
     x = feature_matrix(found.column("center"), dim)
     own_devices = np.arange(len(x))  # a representative belongs to no device: each is its own
-    return server_step(x, found.column("weight").to_numpy(), own_devices, np.zeros(len(x), dtype=np.int64),
-                       dataclasses.replace(params, robust_min_size=0.0))
+    return server_step(
+        x,
+        found.column("weight").to_numpy(),
+        own_devices,
+        np.zeros(len(x), dtype=np.int64),
+        dataclasses.replace(params, robust_min_size=0.0),
+    )
 
 
 def with_clusters(local: DataFrame, centers: np.ndarray) -> DataFrame:

@@ -33,4 +33,3 @@ class AttemptConflict(KFedError):
     """Another attempt of the same run id was published first (or at the same moment)."""
 
     exit_code = 1
-

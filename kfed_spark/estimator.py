@@ -25,8 +25,8 @@ from pyspark.sql import DataFrame
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
 from kfed_spark.fitting import REASON_COL, LocalCenters, fit, labelled_plan
 from kfed_spark.identity import match_clusters
-from kfed_spark.k_sweep import KSweep, k_values
 from kfed_spark.io import OutputTables
+from kfed_spark.k_sweep import KSweep, k_values
 from kfed_spark.models import SAVED_LOCAL_CENTERS, StoredModel, read_saved, saved_cluster_ids, stored_model
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import SQ_DIST_COL
@@ -127,7 +127,8 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
             matching = match_clusters(clustering.clusters(), reference.clusters(), int(reference.cluster_ids.max()) + 1)
             clustering = clustering.with_ids(matching.ids)
         local = clustering.local.table.append_column(
-            "cluster_id", pa.array(clustering.cluster_ids[clustering.server.assignment], type=pa.int32()))
+            "cluster_id", pa.array(clustering.cluster_ids[clustering.server.assignment], type=pa.int32())
+        )
         model = KFedModel()._with_state(StoredModel.of(clustering.server.centers, clustering.cluster_ids, local, "fit"))
         model._k_sweep = clustering.k_sweep
         return self._copyValues(model)._set(k=len(clustering.server.centers))
@@ -166,7 +167,9 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
     def _local(self) -> pa.Table:
         """The local centers with the id of the global cluster each joined."""
         stored = self._stored
-        return stored.local.append_column("cluster_id", pa.array(stored.cluster_ids[stored.assignment], type=pa.int32()))
+        return stored.local.append_column(
+            "cluster_id", pa.array(stored.cluster_ids[stored.assignment], type=pa.int32())
+        )
 
     @classmethod
     def from_run(cls, output_path: str, run_id: str | None = None) -> "KFedModel":
@@ -176,9 +179,14 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
 
         stored = stored_model(OutputTables(SparkSession.active(), OutputConfig(path=output_path)), run_id)
         model = cls()._with_state(stored)
-        settings = {name: stored.config[spec.name] for name, spec in ALGORITHM_PARAMS.items() if spec.name in stored.config}
+        settings = {
+            name: stored.config[spec.name] for name, spec in ALGORITHM_PARAMS.items() if spec.name in stored.config
+        }
         settings["k"] = len(stored.centers)  # a k auto run's chosen k
-        columns = {"deviceCol": stored.config["input"]["device_col"], "featuresCol": stored.config["input"]["features_col"]}
+        columns = {
+            "deviceCol": stored.config["input"]["device_col"],
+            "featuresCol": stored.config["input"]["features_col"],
+        }
         return model._set(**settings, **{name: value for name, value in columns.items() if isinstance(value, str)})
 
     def setPredictionCol(self, value: str) -> "KFedModel":
@@ -237,12 +245,18 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         the model has not seen takes the nearest global center and a null local prediction (its label
         depends on the row alone); `kfed-spark assign` clusters such devices locally instead."""
         cfg = self._config()
-        labelled = labelled_plan(dataset, cfg, self._stored.label_model(cfg.label_mode, label_unseen=True),
-                                 self._stored.dim).drop(SQ_DIST_COL, REASON_COL)
-        renamed = {"local_cluster_id": self.getLocalPredictionCol(), "cluster_id": self.getPredictionCol(),
-                   "distance": self.getOrDefault("distanceCol"), "margin": self.getOrDefault("marginCol")}
+        labelled = labelled_plan(
+            dataset, cfg, self._stored.label_model(cfg.label_mode, label_unseen=True), self._stored.dim
+        ).drop(SQ_DIST_COL, REASON_COL)
+        renamed = {
+            "local_cluster_id": self.getLocalPredictionCol(),
+            "cluster_id": self.getPredictionCol(),
+            "distance": self.getOrDefault("distanceCol"),
+            "margin": self.getOrDefault("marginCol"),
+        }
         return labelled.drop(*[column for column, name in renamed.items() if not name]).withColumnsRenamed(
-            {column: name for column, name in renamed.items() if name})
+            {column: name for column, name in renamed.items() if name}
+        )
 
     def write(self) -> MLWriter:
         return _model_writer(self)
@@ -266,8 +280,10 @@ _ALL_PARAMS = {
 _declare(_ALL_PARAMS, KFed)
 KFed.__init__.__signature__ = inspect.Signature(
     [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-       for name, (_, default) in _ALL_PARAMS.items()]
+    + [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+        for name, (_, default) in _ALL_PARAMS.items()
+    ]
 )
 
 
@@ -290,7 +306,9 @@ class _DataFrameWriter(MLWriter):
         except AnalysisException as exc:
             if exc.getCondition() != "PATH_ALREADY_EXISTS":
                 raise
-            raise FileExistsError(f"{path} already holds a saved instance: use write().overwrite().save(path)") from None
+            raise FileExistsError(
+                f"{path} already holds a saved instance: use write().overwrite().save(path)"
+            ) from None
         if self.data is not None:
             spark.createDataFrame(self.data).write.mode(mode).parquet(f"{path}/{SAVED_LOCAL_CENTERS}")
 
@@ -311,5 +329,6 @@ class _KFedModelReader(MLReader["KFedModel"]):
         model = self.cls()
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)
-        return model._with_state(StoredModel.of(centers, saved_cluster_ids(metadata, len(centers)), local,
-                                                f"model:{path}"))
+        return model._with_state(
+            StoredModel.of(centers, saved_cluster_ids(metadata, len(centers)), local, f"model:{path}")
+        )

@@ -120,7 +120,8 @@ class Evaluation:
         samples = [p[3] for p in parts if p[3] is not None]
         hashes, x, labels = (
             (np.concatenate(column) for column in zip(*samples))
-            if samples else (np.empty(0, np.uint64), np.empty((0, dim)), np.empty(0, np.int64))
+            if samples
+            else (np.empty(0, np.uint64), np.empty((0, dim)), np.empty(0, np.int64))
         )
         keep = np.lexsort((labels, hashes))[:sample_rows]  # by hash: the same whatever the partitions
         if cells is None:

@@ -74,11 +74,14 @@ DIMENSION_SAMPLE_ROWS = 10_000
 LABELS_COL = "__kfed_labels"
 """Internal column: what workers.label_arrays returns for the row, a struct of LABELS_TYPE."""
 
-LABELS_TYPE = StructType([
-    StructField(name, kind, True)
-    for name, kind in zip(LABEL_FIELDS,
-                          [IntegerType(), IntegerType(), DoubleType(), DoubleType(), BooleanType(), BinaryType()])
-])
+LABELS_TYPE = StructType(
+    [
+        StructField(name, kind, True)
+        for name, kind in zip(
+            LABEL_FIELDS, [IntegerType(), IntegerType(), DoubleType(), DoubleType(), BooleanType(), BinaryType()]
+        )
+    ]
+)
 
 
 class StageTimer:
@@ -110,17 +113,26 @@ class Clustering:
     def clusters(self) -> ClusterSummary:
         """The global clusters as identity matching knows them, under their positions as ids."""
         local, server = self.local, self.server
-        return ClusterSummary.of(np.arange(len(server.centers)), server.centers, server.assignment, local.centers,
-                                 local.counts, local.sse, local.devices)
+        return ClusterSummary.of(
+            np.arange(len(server.centers)),
+            server.centers,
+            server.assignment,
+            local.centers,
+            local.counts,
+            local.sse,
+            local.devices,
+        )
 
     def with_ids(self, cluster_ids: np.ndarray) -> "Clustering":
         """The same clustering with its global clusters published under these ids."""
-        return dataclasses.replace(self, cluster_ids=cluster_ids,
-                                   model=dataclasses.replace(self.model, cluster_ids=cluster_ids))
+        return dataclasses.replace(
+            self, cluster_ids=cluster_ids, model=dataclasses.replace(self.model, cluster_ids=cluster_ids)
+        )
 
 
-def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None, initial: np.ndarray | None = None
-        ) -> Clustering:
+def fit(
+    raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None, initial: np.ndarray | None = None
+) -> Clustering:
     """Validate the input, run alg. 1 on every device in the executors and alg. 2 on the driver
     (warm-started from `initial` centers, if given)."""
     timer = timer or StageTimer()
@@ -129,8 +141,14 @@ def fit(raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None, initia
     return fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer, lambda: initial)
 
 
-def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, timer: StageTimer,
-                warm_start: Callable[[], np.ndarray | None] = lambda: None) -> Clustering:
+def fit_checked(
+    checked: DataFrame,
+    dim: int,
+    device_type,
+    cfg: KFedConfig,
+    timer: StageTimer,
+    warm_start: Callable[[], np.ndarray | None] = lambda: None,
+) -> Clustering:
     """fit() on an input that validated() has prepared. warm_start gives the centers to seed the server
     step with (kernels.server_step's initial), called once the local step is done; the distributed server
     step does not take them.
@@ -177,21 +195,36 @@ def fit_checked(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, time
         raise InputError(f"no row of the input can be clustered (all {checked.count()} rows are bad; see quarantine)")
     log.info(
         "server step (%s): %d local centers from %d devices -> %d clusters (seed device %r, %d refine rounds)",
-        where, len(local.counts), len(np.unique(local.devices)), cfg.k, server.seed_device, server.refine_iterations,
+        where,
+        len(local.counts),
+        len(np.unique(local.devices)),
+        cfg.k,
+        server.seed_device,
+        server.refine_iterations,
     )
-    return Clustering(checked, dim, local, server, local.label_model(server.assignment, server.centers, cfg.label_mode),
-                      np.arange(len(server.centers)), chosen)
+    return Clustering(
+        checked,
+        dim,
+        local,
+        server,
+        local.label_model(server.assignment, server.centers, cfg.label_mode),
+        np.arange(len(server.centers)),
+        chosen,
+    )
 
 
-def merged_on_driver(local: LocalCenters, params: AlgorithmParams, initial: np.ndarray | None = None
-                     ) -> tuple[LocalCenters, ServerClustering | None]:
+def merged_on_driver(
+    local: LocalCenters, params: AlgorithmParams, initial: np.ndarray | None = None
+) -> tuple[LocalCenters, ServerClustering | None]:
     """Alg. 2 over the local centers the driver holds (None without any), warm-started from initial if given."""
     if len(local.counts) == 0:
         return local, None
     return local, server_step(local.centers, local.counts, local.devices, local.ids, params, initial)
 
 
-def merged_in_spark(frame: DataFrame, dim: int, params: AlgorithmParams) -> tuple[LocalCenters, ServerClustering | None]:
+def merged_in_spark(
+    frame: DataFrame, dim: int, params: AlgorithmParams
+) -> tuple[LocalCenters, ServerClustering | None]:
     """Alg. 2 with Spark doing the work (kfed_spark.distributed); then the local centers come to the
     driver with the global cluster each one took (None without any)."""
     if frame.isEmpty():
@@ -199,7 +232,9 @@ def merged_in_spark(frame: DataFrame, dim: int, params: AlgorithmParams) -> tupl
     merged = global_centers(frame, dim, params)
     table = with_clusters(frame, merged.centers).toArrow()
     local = LocalCenters.from_arrow(table.drop_columns(["cluster_id"]), dim)
-    return local, ServerClustering(merged.centers, table.column("cluster_id").to_numpy(), None, merged.refine_iterations)
+    return local, ServerClustering(
+        merged.centers, table.column("cluster_id").to_numpy(), None, merged.refine_iterations
+    )
 
 
 def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[DataFrame, int]:
@@ -215,7 +250,9 @@ def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[
     if inp.device_col not in columns:
         raise InputError(f"input has no device column {inp.device_col!r}; columns: {', '.join(raw.columns)}")
     if inp.truth_col is not None and inp.truth_col not in columns:
-        raise InputError(f"input has no truth column {inp.truth_col!r} (input.truth_col); columns: {', '.join(raw.columns)}")
+        raise InputError(
+            f"input has no truth column {inp.truth_col!r} (input.truth_col); columns: {', '.join(raw.columns)}"
+        )
     if isinstance(cfg.k_per_device, str) and cfg.k_per_device != "auto" and cfg.k_per_device not in columns:
         k_side_table(raw.sparkSession, cfg.k_per_device, inp.device_col)
     clashes = [c for c in (*ADDED_COLUMNS, FEATURES_COL, REASON_COL) if c in columns]
@@ -249,8 +286,13 @@ def table_dimension(raw: DataFrame, prepared: DataFrame) -> int:
     A limit at the top of the plan is a CollectLimit: Spark reads the first partition and only
     goes on while it has not found enough rows (under an aggregate, every partition would be read).
     """
-    sizes = [row.dim for row in prepared.select(F.size(FEATURES_COL).alias("dim")).filter("dim > 0")
-             .limit(DIMENSION_SAMPLE_ROWS).collect()]
+    sizes = [
+        row.dim
+        for row in prepared.select(F.size(FEATURES_COL).alias("dim"))
+        .filter("dim > 0")
+        .limit(DIMENSION_SAMPLE_ROWS)
+        .collect()
+    ]
     if not sizes:
         if raw.isEmpty():
             raise InputError("the input has no rows")
@@ -264,7 +306,9 @@ def features_column(df: DataFrame, features: str | list[str]) -> Column:
     names = features if isinstance(features, list) else [features]
     missing = [name for name in names if name not in df.columns]
     if missing:
-        raise InputError(f"input has no feature column(s) {', '.join(map(repr, missing))}; columns: {', '.join(df.columns)}")
+        raise InputError(
+            f"input has no feature column(s) {', '.join(map(repr, missing))}; columns: {', '.join(df.columns)}"
+        )
     types = {name: df.schema[name].dataType for name in names}
     if isinstance(features, list):
         wrong = [name for name, t in types.items() if not isinstance(t, NumericType)]
@@ -311,12 +355,19 @@ class LocalCenters:
         except ValueError as exc:  # k above the distinct local centers, or below a device's count with farthest
             raise KFedError(f"the k sweep cannot run: {exc}") from None
 
-    def label_model(self, assignment: np.ndarray, centers: np.ndarray, label_mode: str,
-                    label_unseen: bool = False, cluster_ids: np.ndarray | None = None) -> LabelModel:
+    def label_model(
+        self,
+        assignment: np.ndarray,
+        centers: np.ndarray,
+        label_mode: str,
+        label_unseen: bool = False,
+        cluster_ids: np.ndarray | None = None,
+    ) -> LabelModel:
         """What labels rows with these local centers, given the global cluster each joined (its position in
         centers) and the centers, with their published ids (default: their positions)."""
-        return LabelModel.build(self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen,
-                                cluster_ids)
+        return LabelModel.build(
+            self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen, cluster_ids
+        )
 
 
 def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
@@ -352,7 +403,9 @@ def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:
         if source in valid.columns:
             rows = valid.select(device_col, FEATURES_COL, F.col(source).alias(DEVICE_K_COL))
         else:
-            side = k_side_table(valid.sparkSession, source, device_col).select(device_col, F.col("k").alias(DEVICE_K_COL))
+            side = k_side_table(valid.sparkSession, source, device_col).select(
+                device_col, F.col("k").alias(DEVICE_K_COL)
+            )
             rows = rows.join(F.broadcast(side), device_col, "left")
         if not isinstance(rows.schema[DEVICE_K_COL].dataType, NumericType):
             raise InputError(f"k_per_device column {source!r} is not numeric")
@@ -405,7 +458,11 @@ def labelled_plan(rows: DataFrame, cfg: KFedConfig, model: LabelModel, dim: int)
 
 
 def label_rows(
-    rows: DataFrame, model: LabelModel, raw_schema: StructType, device_col: str, dim: int,
+    rows: DataFrame,
+    model: LabelModel,
+    raw_schema: StructType,
+    device_col: str,
+    dim: int,
     evaluation: EvaluationSpec | None = None,
 ) -> DataFrame:
     """Every row with its local and global cluster, its squared distance and its reason (null if labelled);
@@ -430,8 +487,10 @@ def label_rows(
     reason = F.coalesce(F.col(REASON_COL), F.when(label["non_finite"], F.lit(NON_FINITE)))
     gathered = [] if evaluation is None else [label[EVALUATION_COL].alias(EVALUATION_COL)]
     return labelled.select(
-        *[F.col(FEATURES_COL).alias(f.name, metadata={}) if f.name == keep_as else F.col(f.name)
-          for f in raw_schema.fields],
+        *[
+            F.col(FEATURES_COL).alias(f.name, metadata={}) if f.name == keep_as else F.col(f.name)
+            for f in raw_schema.fields
+        ],
         label["local_cluster_id"].alias("local_cluster_id"),
         label["cluster_id"].alias("cluster_id"),
         F.sqrt(label[SQ_DIST_COL]).alias("distance"),

@@ -45,8 +45,16 @@ class ClusterSummary:
     n_devices: np.ndarray  # (k,) devices with a local center in the cluster
 
     @classmethod
-    def of(cls, ids: np.ndarray, centers: np.ndarray, assignment: np.ndarray, local_centers: np.ndarray,
-           local_counts: np.ndarray, local_sse: np.ndarray, local_devices: np.ndarray) -> "ClusterSummary":
+    def of(
+        cls,
+        ids: np.ndarray,
+        centers: np.ndarray,
+        assignment: np.ndarray,
+        local_centers: np.ndarray,
+        local_counts: np.ndarray,
+        local_sse: np.ndarray,
+        local_devices: np.ndarray,
+    ) -> "ClusterSummary":
         """From a run's global centers and its local centers (each with its position in `centers`):
         a cluster's SSE is its local centers' SSEs plus each one's count times its squared distance to
         the global center (the centers are moved near the origin first, for the accuracy)."""
@@ -56,9 +64,13 @@ class ClusterSummary:
         sse = np.bincount(assignment, weights=local_sse + local_counts * np.einsum("ij,ij->i", gap, gap), minlength=k)
         device_index = np.unique(local_devices, return_inverse=True)[1]
         pairs = np.unique(np.stack([assignment, device_index]), axis=1)
-        return cls(np.asarray(ids, dtype=np.int64), centers,
-                   np.bincount(assignment, weights=local_counts, minlength=k).astype(np.int64), sse,
-                   np.bincount(pairs[0], minlength=k).astype(np.int64))
+        return cls(
+            np.asarray(ids, dtype=np.int64),
+            centers,
+            np.bincount(assignment, weights=local_counts, minlength=k).astype(np.int64),
+            sse,
+            np.bincount(pairs[0], minlength=k).astype(np.int64),
+        )
 
 
 @dataclass(frozen=True)
@@ -88,9 +100,14 @@ def match_clusters(current: ClusterSummary, reference: ClusterSummary, next_id: 
     origin = reference.centers.mean(axis=0)  # near the origin: accurate expanded distances (kernels' docstring)
     ours, theirs = current.centers - origin, reference.centers - origin
     shift = np.sqrt(squared_distances(ours, theirs))
-    pooled = np.sqrt(np.divide(current.sse[:, None] + reference.sse[None, :],
-                               current.n_points[:, None] + reference.n_points[None, :],
-                               out=np.zeros(shift.shape), where=(current.n_points[:, None] + reference.n_points) > 0))
+    pooled = np.sqrt(
+        np.divide(
+            current.sse[:, None] + reference.sse[None, :],
+            current.n_points[:, None] + reference.n_points[None, :],
+            out=np.zeros(shift.shape),
+            where=(current.n_points[:, None] + reference.n_points) > 0,
+        )
+    )
     gate = MATCH_SPREADS * pooled
     if len(theirs) > 1:
         between = np.sqrt(squared_distances(theirs, theirs))
@@ -110,8 +127,9 @@ def match_clusters(current: ClusterSummary, reference: ClusterSummary, next_id: 
     center_shift = np.full(len(ours), np.nan)
     relative_shift = np.full(len(ours), np.nan)
     center_shift[rows] = shift[rows, cols]
-    relative_shift[rows] = np.divide(shift[rows, cols], pooled[rows, cols], out=np.zeros(len(rows)),
-                                     where=pooled[rows, cols] > 0)
+    relative_shift[rows] = np.divide(
+        shift[rows, cols], pooled[rows, cols], out=np.zeros(len(rows)), where=pooled[rows, cols] > 0
+    )
     retired = np.setdiff1d(np.arange(len(theirs)), cols)
     return Matching(ids, matched, retired, center_shift, relative_shift)
 
@@ -129,14 +147,22 @@ class ReferenceRun:
 def largest_share(devices: np.ndarray, clusters: np.ndarray, counts: np.ndarray) -> pd.Series:
     """Each device's cluster with the most of its rows, as its local centers count them (ties: the
     smaller id), indexed by device; from the local centers' (device, cluster id, rows)."""
-    frame = (pd.DataFrame({"device_id": devices, "cluster_id": clusters, "n_points": counts})
-             .groupby(["device_id", "cluster_id"], sort=False, as_index=False).n_points.sum())
+    frame = (
+        pd.DataFrame({"device_id": devices, "cluster_id": clusters, "n_points": counts})
+        .groupby(["device_id", "cluster_id"], sort=False, as_index=False)
+        .n_points.sum()
+    )
     frame = frame.sort_values(["device_id", "n_points", "cluster_id"], ascending=[True, False, True], kind="stable")
     return frame.drop_duplicates("device_id").set_index("device_id")["cluster_id"]
 
 
-def changes_table(matching: Matching, current: ClusterSummary, reference: ReferenceRun | None,
-                  now: pd.Series, device_type: pa.DataType) -> pa.Table:
+def changes_table(
+    matching: Matching,
+    current: ClusterSummary,
+    reference: ReferenceRun | None,
+    now: pd.Series,
+    device_type: pa.DataType,
+) -> pa.Table:
     """The cluster_changes rows of a run: one per cluster of the run (kept or new) and one per retired
     cluster of the reference. A device moved in (out) of a cluster when it is in both runs and its
     largest share (`now`: the run's largest_share) is (was) in that cluster and was (is) in another."""
@@ -162,18 +188,24 @@ def changes_table(matching: Matching, current: ClusterSummary, reference: Refere
     ref_devices = np.zeros(0) if reference is None else reference.clusters.n_devices
     shift = [None if np.isnan(v) else float(v) for v in matching.center_shift]
     relative = [None if np.isnan(v) else float(v) for v in matching.relative_shift]
-    return pa.table({
-        "cluster_id": pa.array(ids, type=pa.int32()),
-        "status": pa.array(matching.status + [RETIRED] * len(retired)),
-        "reference_run_id": pa.array([None if reference is None else reference.run_id] * len(ids), type=pa.string()),
-        "center_shift": pa.array(shift + [None] * len(retired), type=pa.float64()),
-        "relative_shift": pa.array(relative + [None] * len(retired), type=pa.float64()),
-        "n_points": pa.array([int(n) for n in current.n_points] + [None] * len(retired), type=pa.int64()),
-        "reference_n_points": pa.array(referenced(ref_points, matching.reference)
-                                       + [int(ref_points[j]) for j in retired], type=pa.int64()),
-        "n_devices": pa.array([int(n) for n in current.n_devices] + [None] * len(retired), type=pa.int64()),
-        "reference_n_devices": pa.array(referenced(ref_devices, matching.reference)
-                                        + [int(ref_devices[j]) for j in retired], type=pa.int64()),
-        "devices_in": pa.array([devices(into, i) for i in ids], type=pa.list_(device_type)),
-        "devices_out": pa.array([devices(out_of, i) for i in ids], type=pa.list_(device_type)),
-    })
+    return pa.table(
+        {
+            "cluster_id": pa.array(ids, type=pa.int32()),
+            "status": pa.array(matching.status + [RETIRED] * len(retired)),
+            "reference_run_id": pa.array(
+                [None if reference is None else reference.run_id] * len(ids), type=pa.string()
+            ),
+            "center_shift": pa.array(shift + [None] * len(retired), type=pa.float64()),
+            "relative_shift": pa.array(relative + [None] * len(retired), type=pa.float64()),
+            "n_points": pa.array([int(n) for n in current.n_points] + [None] * len(retired), type=pa.int64()),
+            "reference_n_points": pa.array(
+                referenced(ref_points, matching.reference) + [int(ref_points[j]) for j in retired], type=pa.int64()
+            ),
+            "n_devices": pa.array([int(n) for n in current.n_devices] + [None] * len(retired), type=pa.int64()),
+            "reference_n_devices": pa.array(
+                referenced(ref_devices, matching.reference) + [int(ref_devices[j]) for j in retired], type=pa.int64()
+            ),
+            "devices_in": pa.array([devices(into, i) for i in ids], type=pa.list_(device_type)),
+            "devices_out": pa.array([devices(out_of, i) for i in ids], type=pa.list_(device_type)),
+        }
+    )

@@ -69,8 +69,12 @@ def stored_field(table: str, field: StructField) -> StructField:
     """A column as its output table holds it, with its comment: a Spark ML vector as array<double>."""
     comment = column_comment(table, field.name)
     if isinstance(field.dataType, VectorUDT):
-        return StructField(field.name, VECTOR_STORED_AS, field.nullable,
-                           {"comment": f"{comment}, where it is a Spark ML vector; stored as array<double>"})
+        return StructField(
+            field.name,
+            VECTOR_STORED_AS,
+            field.nullable,
+            {"comment": f"{comment}, where it is a Spark ML vector; stored as array<double>"},
+        )
     return StructField(field.name, field.dataType, field.nullable, {"comment": comment})
 
 
@@ -78,11 +82,14 @@ def stored_columns(df: DataFrame) -> DataFrame:
     """df with its Spark ML vector columns as array<double> (stored_field), the others as they are."""
     if not any(isinstance(f.dataType, VectorUDT) for f in df.schema.fields):
         return df
-    return df.select(*[
-        F.when(F.col(f.name).isNotNull(), vector_to_array(F.col(f.name))).alias(f.name)
-        if isinstance(f.dataType, VectorUDT) else F.col(f.name)
-        for f in df.schema.fields
-    ])
+    return df.select(
+        *[
+            F.when(F.col(f.name).isNotNull(), vector_to_array(F.col(f.name))).alias(f.name)
+            if isinstance(f.dataType, VectorUDT)
+            else F.col(f.name)
+            for f in df.schema.fields
+        ]
+    )
 
 
 def sql_string(text: str) -> str:
@@ -104,8 +111,9 @@ def read_input(spark: SparkSession, inp: InputConfig, streaming: bool = False) -
             try:
                 schema = read_input(spark, inp).schema
             except InputError:
-                raise InputError(f"cannot stream {where}: it holds no files to take the schema from yet; set "
-                                 "input.schema") from None
+                raise InputError(
+                    f"cannot stream {where}: it holds no files to take the schema from yet; set input.schema"
+                ) from None
         if schema is not None:
             reader = reader.schema(schema)
         return resolved(reader.format(inp.format).options(**options).load(inp.path))
@@ -225,8 +233,9 @@ class OutputTables:
         entries = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
         if not any(e.base_name == "_delta_log" for e in entries):
             if entries:
-                raise KFedError(f"output table path {self.path(name)} holds files but no Delta log; use another "
-                                "output.path")
+                raise KFedError(
+                    f"output table path {self.path(name)} holds files but no Delta log; use another output.path"
+                )
             return False
         versions: dict[str, set[int]] = {"json": set(), "checkpoint": set(), "crc": set()}
         for entry in filesystem.get_file_info(pafs.FileSelector(f"{path}/_delta_log")):
@@ -267,8 +276,9 @@ class OutputTables:
         return added
 
     def _add_columns(self, name: str, added: list[StructField]) -> None:
-        columns = ", ".join(f"{f.name} {f.dataType.simpleString()} COMMENT {sql_string(column_comment(name, f.name))}"
-                            for f in added)
+        columns = ", ".join(
+            f"{f.name} {f.dataType.simpleString()} COMMENT {sql_string(column_comment(name, f.name))}" for f in added
+        )
         try:
             with self.writing(name):
                 self.spark.sql(f"ALTER TABLE delta.`{self.path(name)}` ADD COLUMNS ({columns})")
@@ -285,8 +295,12 @@ class OutputTables:
         added = concurrently(lambda name: self.check_schema(name, schemas[name]), [n for n in schemas if present[n]])
         return {name: added.get(name) for name in schemas}
 
-    def prepare(self, schemas: dict[str, StructType], stats_columns: dict[str, list[str]] | None = None,
-                checked: dict[str, list[StructField] | None] | None = None) -> None:
+    def prepare(
+        self,
+        schemas: dict[str, StructType],
+        stats_columns: dict[str, list[str]] | None = None,
+        checked: dict[str, list[StructField] | None] | None = None,
+    ) -> None:
         """check() the location (unless `checked` holds its result) and that its folder is writable (the
         first write: a probe file), then add the columns an older version's tables lack and create the
         missing tables, empty, partitioned by (run_id, attempt_id).
@@ -339,15 +353,21 @@ class OutputTables:
         (CREATE TABLE AS SELECT from an empty view carries the column types and the comments); columns
         as stored_field holds them."""
         view = f"kfed_create_{name}_{uuid.uuid4().hex[:8]}"
-        properties = "" if stats_columns is None else (
-            f"TBLPROPERTIES ('{STATS_COLUMNS_PROPERTY}' = "
-            f"{sql_string(','.join('`' + c.replace('`', '``') + '`' for c in stats_columns))}) "
+        properties = (
+            ""
+            if stats_columns is None
+            else (
+                f"TBLPROPERTIES ('{STATS_COLUMNS_PROPERTY}' = "
+                f"{sql_string(','.join('`' + c.replace('`', '``') + '`' for c in stats_columns))}) "
+            )
         )
         commented = StructType([stored_field(name, f) for f in schema.fields])
         self.spark.createDataFrame([], commented).createOrReplaceTempView(view)
         try:
             with self.writing(name):
-                partitioned = f"PARTITIONED BY ({', '.join(partition_columns(name))}) " if partition_columns(name) else ""
+                partitioned = (
+                    f"PARTITIONED BY ({', '.join(partition_columns(name))}) " if partition_columns(name) else ""
+                )
                 self.spark.sql(
                     f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta {partitioned}"
                     f"COMMENT {sql_string(TABLE_COMMENTS[name])} {properties}AS SELECT * FROM {view}"
@@ -410,6 +430,7 @@ class OutputTables:
     def delete_attempt(self, run_id: str, attempt_id: str) -> None:
         """Remove an unpublished attempt's rows from every data table (metadata-only: whole
         partitions) and its report files."""
+
         def delete(name: str) -> None:
             with self.writing(name):
                 self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}")
@@ -441,9 +462,14 @@ class OutputTables:
 
     def read_report(self, run_id: str, name: str = "report.json") -> bytes:
         """A file of the report of a run's published attempt."""
-        rows = self.spark.sql(
-            f"SELECT attempt_id FROM ({PUBLISHED_ATTEMPTS.format(runs=self.source('runs'))}) WHERE run_id = '{run_id}'"
-        ).collect() if self.exists("runs") else []
+        rows = (
+            self.spark.sql(
+                f"SELECT attempt_id FROM ({PUBLISHED_ATTEMPTS.format(runs=self.source('runs'))}) "
+                f"WHERE run_id = '{run_id}'"
+            ).collect()
+            if self.exists("runs")
+            else []
+        )
         located = _filesystem(f"{self.report_dir(run_id, rows[0].attempt_id)}/{name}") if rows else None
         if located is None:
             raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}")

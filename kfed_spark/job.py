@@ -67,6 +67,7 @@ from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
 
 log = logging.getLogger("kfed_spark")
 
+
 @dataclass
 class RunResult:
     """What a finished run reports; the same figures are in its row of the runs table."""
@@ -87,8 +88,13 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, model_path: str | None = None,
-        timer: StageTimer | None = None) -> RunResult:
+def run(
+    spark: SparkSession,
+    cfg: KFedConfig,
+    parent_run_id: str | None = None,
+    model_path: str | None = None,
+    timer: StageTimer | None = None,
+) -> RunResult:
     """Cluster the configured input with k-FED as a new attempt of the run id, and publish it.
 
     Everything that can be checked is checked before anything is written. Then the attempt is
@@ -124,8 +130,11 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         devices.result()
         checked_location = location.result()
         known = known_runs.result()
-        reference_row = (reference_attempt(known, run_id, started_at, cfg.identity.reference)
-                         if parent is None and cfg.identity.mode == "stable" else None)
+        reference_row = (
+            reference_attempt(known, run_id, started_at, cfg.identity.reference)
+            if parent is None and cfg.identity.mode == "stable"
+            else None
+        )
         faults.point("checked")
         schemas = output_schemas(raw.schema, device_col)
         tables.prepare(schemas, stats_columns(device_col), checked_location)
@@ -142,14 +151,18 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         highest = highest_cluster_id(known, run_id)
         if parent is None:
             clustering, (matching, summary, reference) = fit_with_ids(
-                checked, dim, raw.schema[device_col].dataType, cfg, timer, reference_read, highest + 1)
+                checked, dim, raw.schema[device_col].dataType, cfg, timer, reference_read, highest + 1
+            )
         else:  # the model's ids
             clustering, matching, reference = apply_model(checked, dim, cfg, parent, timer), None, None
-        row.update(k=len(clustering.server.centers), k_sweep=k_sweep_column(clustering.k_sweep),
-                   identity_mode=None if parent is not None else cfg.identity.mode,
-                   reference_run_id=None if reference is None else reference.run_id,
-                   reference_attempt_id=None if reference is None else reference.attempt_id,
-                   highest_cluster_id=max(highest, int(np.max(clustering.cluster_ids))))
+        row.update(
+            k=len(clustering.server.centers),
+            k_sweep=k_sweep_column(clustering.k_sweep),
+            identity_mode=None if parent is not None else cfg.identity.mode,
+            reference_run_id=None if reference is None else reference.run_id,
+            reference_attempt_id=None if reference is None else reference.attempt_id,
+            highest_cluster_id=max(highest, int(np.max(clustering.cluster_ids))),
+        )
         if cfg.on_bad_rows == "fail":
             refuse_bad_rows(label_rows(clustering.checked, clustering.model, raw.schema, device_col, dim))
         # The global and local centers are written while the labels are, the report while the other tables are.
@@ -161,13 +174,33 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
         device_type = clustering.local.table.schema.field("device_id").type
         profiles = device_clusters_table(counted.evaluation, device_type)
         local = clustering.local
-        changes = (None if matching is None or cfg.identity.mode == "fresh" else changes_table(
-            matching, summary, reference,
-            largest_share(local.devices, clustering.cluster_ids[clustering.server.assignment], local.counts),
-            device_type))
+        changes = (
+            None
+            if matching is None or cfg.identity.mode == "fresh"
+            else changes_table(
+                matching,
+                summary,
+                reference,
+                largest_share(local.devices, clustering.cluster_ids[clustering.server.assignment], local.counts),
+                device_type,
+            )
+        )
         if cfg.report:
-            writes.append(in_background(timed, timer, "report", write_run_report, tables, attempt,
-                                        row, cfg, clustering, counted.evaluation, changes))
+            writes.append(
+                in_background(
+                    timed,
+                    timer,
+                    "report",
+                    write_run_report,
+                    tables,
+                    attempt,
+                    row,
+                    cfg,
+                    clustering,
+                    counted.evaluation,
+                    changes,
+                )
+            )
         with timer.stage("other_tables"):
             write_other_tables(tables, attempt, schemas, labelled, counted, profiles, changes)
             for write in writes:
@@ -185,17 +218,29 @@ def run(spark: SparkSession, cfg: KFedConfig, parent_run_id: str | None = None, 
     faults.point("published")
     with timer.stage("supersede"):
         ledger.supersede_others(attempt, runs_now)
-    log.info("run %s: %d rows labelled, %d quarantined, cost %.6g", run_id, result.n_labelled, result.n_quarantined,
-             result.cost)
+    log.info(
+        "run %s: %d rows labelled, %d quarantined, cost %.6g",
+        run_id,
+        result.n_labelled,
+        result.n_quarantined,
+        result.cost,
+    )
     return result
 
 
-def fit_with_ids(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, timer: StageTimer,
-                 reference_read: Future | None, next_id: int
-                 ) -> tuple[Clustering, tuple[Matching, ClusterSummary, ReferenceRun | None]]:
+def fit_with_ids(
+    checked: DataFrame,
+    dim: int,
+    device_type,
+    cfg: KFedConfig,
+    timer: StageTimer,
+    reference_read: Future | None,
+    next_id: int,
+) -> tuple[Clustering, tuple[Matching, ClusterSummary, ReferenceRun | None]]:
     """fit_checked, warm-started from the reference run's centers with identity.warm_start, and the
     clustering under its ids (cluster_identity), with what the cluster_changes table is drawn from.
     reference_read: the reference run being read (models.reference_run), None without one."""
+
     def reference_centers() -> np.ndarray | None:
         return reference_read.result().clusters.centers if cfg.identity.warm_start and reference_read else None
 
@@ -206,8 +251,9 @@ def fit_with_ids(checked: DataFrame, dim: int, device_type, cfg: KFedConfig, tim
     return clustering.with_ids(matching.ids), (matching, summary, reference)
 
 
-def cluster_identity(cfg: KFedConfig, clustering: Clustering, reference: ReferenceRun | None, next_id: int
-                     ) -> tuple[Matching, ClusterSummary]:
+def cluster_identity(
+    cfg: KFedConfig, clustering: Clustering, reference: ReferenceRun | None, next_id: int
+) -> tuple[Matching, ClusterSummary]:
     """The ids of a fitted run's clusters (kfed_spark.identity), and what matching knew of them: matched
     to the reference run's with identity.mode stable, 0..k-1 with fresh; from next_id without a reference."""
     k = len(clustering.server.centers)
@@ -217,8 +263,13 @@ def cluster_identity(cfg: KFedConfig, clustering: Clustering, reference: Referen
     if reference is None:
         return fresh_ids(k, next_id), summary
     matching = match_clusters(summary, reference.clusters, next_id)
-    log.info("identity: %d clusters kept the ids of run %s, %d new, %d retired", int(np.sum(matching.reference >= 0)),
-             reference.run_id, int(np.sum(matching.reference < 0)), len(matching.retired))
+    log.info(
+        "identity: %d clusters kept the ids of run %s, %d new, %d retired",
+        int(np.sum(matching.reference >= 0)),
+        reference.run_id,
+        int(np.sum(matching.reference < 0)),
+        len(matching.retired),
+    )
     return matching, summary
 
 
@@ -233,8 +284,9 @@ def check_device_ids(checked: DataFrame, device_col: str) -> None:
     if isinstance(checked.schema[device_col].dataType, (DoubleType, FloatType)):
         n_nan = checked.filter(F.isnan(device)).count()
         if n_nan:
-            raise InputError(f"device column {device_col!r} is NaN in {n_nan} rows; device ids must be strings or "
-                             "whole numbers")
+            raise InputError(
+                f"device column {device_col!r} is NaN in {n_nan} rows; device ids must be strings or whole numbers"
+            )
     if checked.filter(device.isNotNull()).isEmpty():
         raise InputError(f"the device column {device_col!r} is null in every row")
 
@@ -272,7 +324,9 @@ def write_labels(
     (kfed_spark.evaluation). Returns those figures and the labelled rows, for the quarantine.
     """
     spec = EvaluationSpec.of(
-        cfg.input.truth_col, report.SILHOUETTE_SAMPLE_ROWS if cfg.report else 0, int(clustering.local.counts.sum()),
+        cfg.input.truth_col,
+        report.SILHOUETTE_SAMPLE_ROWS if cfg.report else 0,
+        int(clustering.local.counts.sum()),
         cfg.seed,
     )
     read, labelled_out = Observation("kfed_input_rows"), Observation("kfed_labelled_rows")
@@ -296,36 +350,54 @@ def write_labels(
     if n_input != int(out["rows"]):
         raise KFedError(f"row accounting failed: {n_input} input rows but {out['rows']} came out of labelling")
     counted = LabelledRows(
-        n_input, n_input - n_quarantined, n_quarantined, float(out["cost"] or 0.0),
+        n_input,
+        n_input - n_quarantined,
+        n_quarantined,
+        float(out["cost"] or 0.0),
         Evaluation.merge(out["evaluation"], report.SILHOUETTE_SAMPLE_ROWS, clustering.dim),
     )
     return counted, labelled
 
 
-def write_centers(tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], clustering: Clustering
-                  ) -> None:
+def write_centers(
+    tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], clustering: Clustering
+) -> None:
     """Append the attempt's local centers, each with the global cluster it joined, and its global centers."""
     spark, local, server = clustering.checked.sparkSession, clustering.local, clustering.server
     tag = attempt_columns(attempt)
     local_with_cluster = local.table.append_column(
-        "cluster_id", pa.array(clustering.cluster_ids[server.assignment], type=pa.int32()))
-    tables.append({
-        "local_centers": conform(spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2])
-        .select("*", *tag),
-        "centers": centers_frame(spark, server, local, clustering.cluster_ids).select(*CENTERS_COLUMNS, *tag),
-    }, attempt.run_id, attempt.attempt_id)
+        "cluster_id", pa.array(clustering.cluster_ids[server.assignment], type=pa.int32())
+    )
+    tables.append(
+        {
+            "local_centers": conform(
+                spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2]
+            ).select("*", *tag),
+            "centers": centers_frame(spark, server, local, clustering.cluster_ids).select(*CENTERS_COLUMNS, *tag),
+        },
+        attempt.run_id,
+        attempt.attempt_id,
+    )
 
 
 def write_other_tables(
-    tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], labelled: DataFrame,
-    counted: LabelledRows, profiles: pa.Table, changes: pa.Table | None,
+    tables: OutputTables,
+    attempt: Attempt,
+    schemas: dict[str, StructType],
+    labelled: DataFrame,
+    counted: LabelledRows,
+    profiles: pa.Table,
+    changes: pa.Table | None,
 ) -> None:
     """Append the attempt's device profiles (device_clusters_table), its cluster changes (with identity.mode
     stable; kfed_spark.identity.changes_table) and its quarantined rows if it has any."""
     tag = attempt_columns(attempt)
     spark = labelled.sparkSession
-    frames = {name: conform(spark.createDataFrame(table), schemas[name].fields[:-2]).select("*", *tag)
-              for name, table in (("device_clusters", profiles), ("cluster_changes", changes)) if table is not None}
+    frames = {
+        name: conform(spark.createDataFrame(table), schemas[name].fields[:-2]).select("*", *tag)
+        for name, table in (("device_clusters", profiles), ("cluster_changes", changes))
+        if table is not None
+    }
     if counted.n_quarantined:  # a second labelling pass, only for dirty inputs
         frames["quarantine"] = (
             labelled.filter(F.col(REASON_COL).isNotNull())
@@ -341,17 +413,23 @@ def device_clusters_table(evaluation: Evaluation, device_type: pa.DataType) -> p
     pairs = evaluation.device_clusters
     n_points = pairs["n_points"].to_numpy().astype(np.int64)
     per_device = pairs["n_points"].groupby(level=0).transform("sum").to_numpy()
-    return pa.table({
-        "device_id": pa.array(pairs.index.get_level_values(0), type=device_type),
-        "cluster_id": pa.array(pairs.index.get_level_values(1), type=pa.int32()),
-        "n_points": pa.array(n_points, type=pa.int64()),
-        "device_share": pa.array(n_points / per_device, type=pa.float64()),
-        "mean_sq_distance": pa.array(pairs["sum_sq_dist"].to_numpy() / n_points, type=pa.float64()),
-    })
+    return pa.table(
+        {
+            "device_id": pa.array(pairs.index.get_level_values(0), type=device_type),
+            "cluster_id": pa.array(pairs.index.get_level_values(1), type=pa.int32()),
+            "n_points": pa.array(n_points, type=pa.int64()),
+            "device_share": pa.array(n_points / per_device, type=pa.float64()),
+            "mean_sq_distance": pa.array(pairs["sum_sq_dist"].to_numpy() / n_points, type=pa.float64()),
+        }
+    )
 
 
 def run_result(
-    attempt: Attempt, parent_run_id: str | None, tables: OutputTables, clustering: Clustering, counted: LabelledRows,
+    attempt: Attempt,
+    parent_run_id: str | None,
+    tables: OutputTables,
+    clustering: Clustering,
+    counted: LabelledRows,
     timer: StageTimer,
 ) -> RunResult:
     evaluation = counted.evaluation
@@ -393,15 +471,19 @@ def refuse_bad_rows(labelled: DataFrame) -> None:
 def conform(df: DataFrame, fields: list[StructField]) -> DataFrame:
     """df's columns in the order of `fields`, cast where the type differs (an Arrow table built on the
     driver holds int64 where a table holds int; nullability is left as it is)."""
-    return df.select(*[
-        F.col(f.name) if df.schema[f.name].dataType.simpleString() == f.dataType.simpleString()
-        else F.col(f.name).cast(f.dataType)
-        for f in fields
-    ])
+    return df.select(
+        *[
+            F.col(f.name)
+            if df.schema[f.name].dataType.simpleString() == f.dataType.simpleString()
+            else F.col(f.name).cast(f.dataType)
+            for f in fields
+        ]
+    )
 
 
-def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCenters, cluster_ids: np.ndarray
-                  ) -> DataFrame:
+def centers_frame(
+    spark: SparkSession, server: ServerClustering, local: LocalCenters, cluster_ids: np.ndarray
+) -> DataFrame:
     k = len(server.centers)
     n_points = np.bincount(server.assignment, weights=local.counts, minlength=k).astype(np.int64)
     device_index = np.unique(local.devices, return_inverse=True)[1]
@@ -411,23 +493,36 @@ def centers_frame(spark: SparkSession, server: ServerClustering, local: LocalCen
     return spark.createDataFrame(rows, StructType(CENTERS_FIELDS))
 
 
-def write_run_report(tables: OutputTables, attempt: Attempt, summary: dict, cfg: KFedConfig, clustering: Clustering,
-                     evaluation: Evaluation, changes: pa.Table | None = None) -> None:
+def write_run_report(
+    tables: OutputTables,
+    attempt: Attempt,
+    summary: dict,
+    cfg: KFedConfig,
+    clustering: Clustering,
+    evaluation: Evaluation,
+    changes: pa.Table | None = None,
+) -> None:
     files = run_report(summary, cfg, clustering, evaluation, changes)
     if clustering.k_sweep is not None:
         files.update(report.k_sweep_files(clustering.k_sweep, attempt.run_id, attempt.attempt_id))
     tables.write_report(attempt.run_id, attempt.attempt_id, files)
 
 
-def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, evaluation: Evaluation,
-               changes: pa.Table | None = None) -> dict[str, bytes]:
+def run_report(
+    summary: dict, cfg: KFedConfig, clustering: Clustering, evaluation: Evaluation, changes: pa.Table | None = None
+) -> dict[str, bytes]:
     """report.json and report.html of a run, from what the driver holds and the labelling pass gathered."""
     local, server = clustering.local, clustering.server
     facts = report.RunFacts(
         summary={**summary, "truth_col": cfg.input.truth_col, "output": absolute(str(cfg.output.path))},
-        local_devices=local.devices, local_centers=local.centers, local_counts=local.counts,
-        assignment=server.assignment, global_centers=server.centers,
-        sample_x=evaluation.sample_x, sample_labels=evaluation.sample_labels, truth_cells=evaluation.cells,
+        local_devices=local.devices,
+        local_centers=local.centers,
+        local_counts=local.counts,
+        assignment=server.assignment,
+        global_centers=server.centers,
+        sample_x=evaluation.sample_x,
+        sample_labels=evaluation.sample_labels,
+        truth_cells=evaluation.cells,
         changes=None if changes is None else changes.drop_columns(["devices_in", "devices_out"]).to_pylist(),
     )
     content = report.build(facts)
@@ -437,8 +532,7 @@ def run_report(summary: dict, cfg: KFedConfig, clustering: Clustering, evaluatio
     }
 
 
-def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: str | None,
-                started_at: datetime) -> dict:
+def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: str | None, started_at: datetime) -> dict:
     """The attempt's row of the runs table with its settings; result_columns() adds the figures."""
     inp = cfg.input
     return {
@@ -466,8 +560,17 @@ def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: st
     }
 
 
-RESULT_COLUMNS = ("dim", "n_input", "n_labelled", "n_quarantined", "n_devices", "n_local_centers", "cost", "ari",
-                  "truth_cost")
+RESULT_COLUMNS = (
+    "dim",
+    "n_input",
+    "n_labelled",
+    "n_quarantined",
+    "n_devices",
+    "n_local_centers",
+    "cost",
+    "ari",
+    "truth_cost",
+)
 
 
 def k_sweep_column(sweep: KSweep | None) -> list[tuple] | None:
@@ -492,8 +595,11 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
             added = tables.check_schema(name, schema)
             existing.append(name + (f" (would add {', '.join(f.name for f in added)})" if added else ""))
     lo, hi = cfg.k_range
-    k_setting = (f"k = auto (after the local step, a sweep of k = {lo}..{hi} over the local centers chooses it)"
-                 if cfg.k == "auto" else f"k = {cfg.k}")
+    k_setting = (
+        f"k = auto (after the local step, a sweep of k = {lo}..{hi} over the local centers chooses it)"
+        if cfg.k == "auto"
+        else f"k = {cfg.k}"
+    )
     return "\n".join(
         [
             f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
@@ -504,9 +610,14 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
             f"server_refine = {cfg.server_refine}, server_step = {cfg.server_step}, label_mode = {cfg.label_mode}, "
             f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
             f"run id: {cfg.run_id or '(from the start time)'}",
-            f"cluster ids: {cfg.identity.mode}" + ("" if cfg.identity.mode == "fresh" else
-                                                   f", matched to run {cfg.identity.reference!r}" if cfg.identity.reference
-                                                   else ", matched to the newest published run of another run id")
+            f"cluster ids: {cfg.identity.mode}"
+            + (
+                ""
+                if cfg.identity.mode == "fresh"
+                else f", matched to run {cfg.identity.reference!r}"
+                if cfg.identity.reference
+                else ", matched to the newest published run of another run id"
+            )
             + (", warm start from its centers" if cfg.identity.warm_start else ""),
             f"output: {tables.root}/{{{','.join(TABLES)}}}"
             + (f" (existing: {', '.join(existing)})" if existing else " (new)")

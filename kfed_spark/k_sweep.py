@@ -76,15 +76,21 @@ class KSweep:
 
     @property
     def rule(self) -> str:
-        return (f"the smallest k whose BIC is within {BIC_TOLERANCE:g} nats per row ({BIC_TOLERANCE * self.n_rows:.4g} "
-                f"in all) of the best")
+        return (
+            f"the smallest k whose BIC is within {BIC_TOLERANCE:g} nats per row ({BIC_TOLERANCE * self.n_rows:.4g} "
+            f"in all) of the best"
+        )
 
     @property
     def disagreements(self) -> list[str]:
-        """What the other criteria choose where it is not the recommended k, and a BIC still rising at the range's top."""
-        said = [f"{name} chooses k = {k}" if k is not None else
-                f"{name}: no k in the range is at most {NOISE_RATIO_LIMIT:g}"
-                for name, k in self.choices.items() if k != self.recommended_k]
+        """What the other criteria choose where it is not the recommended k; a BIC still rising at the range's top."""
+        said = [
+            f"{name} chooses k = {k}"
+            if k is not None
+            else f"{name}: no k in the range is at most {NOISE_RATIO_LIMIT:g}"
+            for name, k in self.choices.items()
+            if k != self.recommended_k
+        ]
         ks = [f.k for f in self.figures]
         if self.choices["bic"] == max(ks) and len(ks) > 1:
             said.append(f"the BIC is still rising at the top of the range (k = {max(ks)}): widen the range")
@@ -112,8 +118,9 @@ class KSweep:
             noise = "-" if f.noise_ratio is None else f"{f.noise_ratio:.3f}"
             stability = "" if f.stability is None else f"{f.stability:.3f}"
             mark = "  <- recommended" if f.k == self.recommended_k else ""
-            lines.append(f"{f.k:>5} {f.sse:>12.6g} {f.bic:>14.8g} {f.silhouette:>10.4f} {noise:>11} {stability:>9}"
-                         + mark)
+            lines.append(
+                f"{f.k:>5} {f.sse:>12.6g} {f.bic:>14.8g} {f.silhouette:>10.4f} {noise:>11} {stability:>9}" + mark
+            )
         lines.append(f"recommended k = {self.recommended_k}: {self.rule}")
         lines.extend(f"  {said}" for said in self.disagreements)
         return "\n".join(lines)
@@ -126,8 +133,15 @@ def k_values(lo: int, hi: int, step: int = 1) -> list[int]:
     return list(range(lo, hi + 1, step))
 
 
-def sweep(centers: np.ndarray, counts: np.ndarray, sse: np.ndarray, devices: np.ndarray, local_ids: np.ndarray,
-          ks: list[int], params: AlgorithmParams) -> KSweep:
+def sweep(
+    centers: np.ndarray,
+    counts: np.ndarray,
+    sse: np.ndarray,
+    devices: np.ndarray,
+    local_ids: np.ndarray,
+    ks: list[int],
+    params: AlgorithmParams,
+) -> KSweep:
     """The server step for every k of ks over these local centers (params' other settings), and its figures."""
     centers = np.asarray(centers, dtype=np.float64)
     weights = np.asarray(counts, dtype=np.float64)
@@ -144,16 +158,18 @@ def sweep(centers: np.ndarray, counts: np.ndarray, sse: np.ndarray, devices: np.
         assignments[k] = server.assignment
         diff = centers - server.centers[server.assignment]
         between = weights * np.einsum("ij,ij->i", diff, diff)
-        figures.append(KFigures(
-            k=k,
-            sse=float(sse.sum() + between.sum()),
-            between_sse=float(between.sum()),
-            bic=bic(server.assignment, weights, sse + between, k, dim, total_variance),
-            silhouette=silhouette.score(server.assignment),
-            noise_ratio=float(between[weights >= 2].sum() / noise.sum()) if noise.sum() > 0 else None,
-            stability=None,
-            seconds=round(time.perf_counter() - start, 4),
-        ))
+        figures.append(
+            KFigures(
+                k=k,
+                sse=float(sse.sum() + between.sum()),
+                between_sse=float(between.sum()),
+                bic=bic(server.assignment, weights, sse + between, k, dim, total_variance),
+                silhouette=silhouette.score(server.assignment),
+                noise_ratio=float(between[weights >= 2].sum() / noise.sum()) if noise.sum() > 0 else None,
+                stability=None,
+                seconds=round(time.perf_counter() - start, 4),
+            )
+        )
     choices = criteria_choices(figures)
     recommended = recommended_k(figures, n_rows)
     for k in {recommended, *[k for k in choices.values() if k is not None]}:
@@ -161,8 +177,10 @@ def sweep(centers: np.ndarray, counts: np.ndarray, sse: np.ndarray, devices: np.
         other = server_step(centers, counts, devices, local_ids, dataclasses.replace(params, k=k, seed=params.seed + 1))
         at = ks.index(k)
         figures[at] = dataclasses.replace(
-            figures[at], stability=adjusted_rand_index(assignments[k], other.assignment, counts),
-            seconds=round(figures[at].seconds + time.perf_counter() - start, 4))
+            figures[at],
+            stability=adjusted_rand_index(assignments[k], other.assignment, counts),
+            seconds=round(figures[at].seconds + time.perf_counter() - start, 4),
+        )
     return KSweep(figures, recommended, choices, int(n_rows), len(weights), dim)
 
 
@@ -185,8 +203,9 @@ def criteria_choices(figures: list[KFigures]) -> dict[str, int | None]:
     return {
         "bic": max(figures, key=lambda f: f.bic).k,
         "silhouette": max(figures, key=lambda f: f.silhouette).k,
-        "noise_ratio": next((f.k for f in figures if f.noise_ratio is not None and f.noise_ratio <= NOISE_RATIO_LIMIT),
-                            None),
+        "noise_ratio": next(
+            (f.k for f in figures if f.noise_ratio is not None and f.noise_ratio <= NOISE_RATIO_LIMIT), None
+        ),
     }
 
 

@@ -158,9 +158,7 @@ def _nearest(x: np.ndarray, x_sq: np.ndarray, centers: np.ndarray) -> tuple[np.n
     return nearest, np.maximum(best, 0.0, out=best)
 
 
-def weighted_means(
-    x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
+def weighted_means(x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-label weighted sums divided by per-label weights; also returns the weights (0 for empty).
 
     The sums are matrix products with the (k, rows) matrix of the rows' weights by label, in row
@@ -178,9 +176,7 @@ def weighted_means(
     return means, mass
 
 
-def kmeans_plusplus(
-    x: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator
-) -> np.ndarray:
+def kmeans_plusplus(x: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     """Greedy k-means++ seeding over weighted rows; returns the chosen row indices.
 
     Each step draws 2 + log(k) candidates with probability proportional to weight times squared
@@ -248,9 +244,7 @@ def lloyd(
     return centers + origin, labels, sq_dist, rounds
 
 
-def top_right_singular_vectors(
-    x: np.ndarray, weights: np.ndarray, rank: int, rng: np.random.Generator
-) -> np.ndarray:
+def top_right_singular_vectors(x: np.ndarray, weights: np.ndarray, rank: int, rng: np.random.Generator) -> np.ndarray:
     """(rank, d) top right singular vectors of the weighted rows sqrt(w) * x.
 
     Below RANDOMIZED_SVD_MIN_DIM features they are the top eigenvectors of the (d, d) Gram matrix
@@ -271,9 +265,7 @@ def top_right_singular_vectors(
     return np.linalg.svd(basis.T @ a, full_matrices=False)[2][:rank]
 
 
-def margin_initial_centers(
-    x: np.ndarray, projected: np.ndarray, weights: np.ndarray, rough: np.ndarray
-) -> np.ndarray:
+def margin_initial_centers(x: np.ndarray, projected: np.ndarray, weights: np.ndarray, rough: np.ndarray) -> np.ndarray:
     """Alg. 1's initial centers: for each rough center, the mean of the ORIGINAL rows of the points
     that are at least MARGIN times closer to it than to any other rough center.
 
@@ -378,7 +370,7 @@ def _batched_rough_clusterings(
         # Every row within rounding of a seed (kmeans_plusplus's stop) leaves at most this potential.
         if np.any(cumulative[:, -1] <= running_out):
             return None
-        targets = draws[:, 1 + (step - 1) * trials: 1 + step * trials] * cumulative[:, -1:]
+        targets = draws[:, 1 + (step - 1) * trials : 1 + step * trials] * cumulative[:, -1:]
         candidates = np.minimum([np.searchsorted(cumulative[r], targets[r], side="right") for r in rows], n - 1)
         candidate_closest = x[candidates] @ minus_twice_xt
         candidate_closest += norms[candidates][:, :, None]
@@ -545,8 +537,9 @@ def server_step(
     else:
         initial, seed_device = _largest_device_centers(ordered, device_ids[order], eligible, k)
         seeds = _farthest_point_seeds(ordered, initial, eligible, k)
-        global_centers, ordered_assignment, rounds, _ = _refine(ordered[eligible], weights[eligible],
-                                                                ordered[seeds], params)
+        global_centers, ordered_assignment, rounds, _ = _refine(
+            ordered[eligible], weights[eligible], ordered[seeds], params
+        )
     if not eligible.all():  # the centers the filter left out go to their nearest global center
         ordered_assignment, _ = nearest_center(ordered, global_centers)
     assignment = np.empty_like(ordered_assignment)
@@ -588,7 +581,9 @@ REPRESENTATIVE_ROUNDS = 1
 """Lloyd rounds representatives() runs over all its rows: enough for a summary, which the merge refines."""
 
 
-def representatives(x: np.ndarray, weights: np.ndarray, m: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def representatives(
+    x: np.ndarray, weights: np.ndarray, m: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """At most m weighted points that stand for the weighted rows (x, weights), with the same total
     weight: the means of a weighted m-means of the rows, each weighing what its rows weigh.
 
@@ -687,8 +682,9 @@ def _farthest_point_seeds(x: np.ndarray, initial: np.ndarray, eligible: np.ndarr
 
 def too_few_distinct(k: int, distinct: int) -> ValueError:
     """The error of a server step asked for more clusters than there are distinct local centers."""
-    return ValueError(f"k = {k} is more than the {distinct} distinct local centers the devices provide; "
-                      "lower k or raise k_per_device")
+    return ValueError(
+        f"k = {k} is more than the {distinct} distinct local centers the devices provide; lower k or raise k_per_device"
+    )
 
 
 def nearest_device_center(
@@ -733,8 +729,17 @@ class LabelModel:
     cluster_ids: np.ndarray | None = None  # the published id of each global center; None: its position
 
     @classmethod
-    def build(cls, devices, local_ids, centers, clusters, global_centers, label_mode,
-              label_unseen: bool = False, cluster_ids: np.ndarray | None = None) -> "LabelModel":
+    def build(
+        cls,
+        devices,
+        local_ids,
+        centers,
+        clusters,
+        global_centers,
+        label_mode,
+        label_unseen: bool = False,
+        cluster_ids: np.ndarray | None = None,
+    ) -> "LabelModel":
         keys, slot = np.unique(np.asarray(devices), return_inverse=True)
         width = int(np.max(local_ids)) + 1
         global_centers, origin = centered(np.asarray(global_centers, dtype=np.float64))
@@ -744,8 +749,17 @@ class LabelModel:
         device_centers[slot, local_ids] = centers - origin
         center_valid[slot, local_ids] = True
         center_cluster[slot, local_ids] = clusters
-        return cls(keys, device_centers, center_valid, center_cluster, global_centers, origin, label_mode,
-                   label_unseen, None if cluster_ids is None else np.asarray(cluster_ids, dtype=np.int64))
+        return cls(
+            keys,
+            device_centers,
+            center_valid,
+            center_cluster,
+            global_centers,
+            origin,
+            label_mode,
+            label_unseen,
+            None if cluster_ids is None else np.asarray(cluster_ids, dtype=np.int64),
+        )
 
     def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(local_cluster_id, cluster_id, squared distance to the global center, margin) per row; the
@@ -768,8 +782,9 @@ class LabelModel:
         return local, cluster if self.cluster_ids is None else self.cluster_ids[cluster], sq_dist, margin
 
 
-def assigned_with_margin(x: np.ndarray, centers: np.ndarray, assigned: np.ndarray
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def assigned_with_margin(
+    x: np.ndarray, centers: np.ndarray, assigned: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For rows x near the origin: (global cluster, squared distance to it, margin) per row, where the
     cluster is `assigned` or, where that is -1, the nearest center.
 
@@ -842,8 +857,11 @@ def local_clusterings(x: np.ndarray, devices: np.ndarray, params: AlgorithmParam
     results = []
     for key, s, e in zip(keys, starts, ends):
         rows = x[order[s:e]]
-        k_z = (estimate_local_k(rows, min(params.largest_k, params.k_per_device_max)) if params.k_per_device == "auto"
-               else params.k_per_device)
+        k_z = (
+            estimate_local_k(rows, min(params.largest_k, params.k_per_device_max))
+            if params.k_per_device == "auto"
+            else params.k_per_device
+        )
         results.append(local_step(rows, k_z, device_rng(params.seed, plain(key)), params))
     per_device = np.array([len(r.counts) for r in results])
     return DeviceClusterings(
@@ -872,8 +890,9 @@ def federated_kmeans(
     """
     local = local or local_clusterings(x, devices, params)
     server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
-    model = LabelModel.build(local.devices, local.local_ids, local.centers, server.assignment, server.centers,
-                             params.label_mode)
+    model = LabelModel.build(
+        local.devices, local.local_ids, local.centers, server.assignment, server.centers, params.label_mode
+    )
     local_labels = np.empty(len(x), dtype=np.int64)
     labels = np.empty(len(x), dtype=np.int64)
     for start in range(0, len(x), LABEL_CHUNK_ROWS):

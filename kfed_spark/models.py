@@ -44,14 +44,28 @@ class StoredModel:
     attempt_id: str | None = None  # the run's attempt the model is of; None for a saved KFedModel
 
     @classmethod
-    def of(cls, centers: np.ndarray, cluster_ids: np.ndarray, local: pa.Table, origin: str,
-           config: dict | None = None, attempt_id: str | None = None) -> "StoredModel":
+    def of(
+        cls,
+        centers: np.ndarray,
+        cluster_ids: np.ndarray,
+        local: pa.Table,
+        origin: str,
+        config: dict | None = None,
+        attempt_id: str | None = None,
+    ) -> "StoredModel":
         """From centers with their ids and local centers (LOCAL_CENTER_COLUMNS plus their cluster_id)."""
         order = np.argsort(cluster_ids, kind="stable")
         cluster_ids = np.asarray(cluster_ids, dtype=np.int64)[order]
         assignment = np.searchsorted(cluster_ids, local.column("cluster_id").to_numpy())
-        return cls(np.asarray(centers, dtype=np.float64)[order], cluster_ids, local.select(LOCAL_CENTER_COLUMNS),
-                   assignment, origin, config, attempt_id)
+        return cls(
+            np.asarray(centers, dtype=np.float64)[order],
+            cluster_ids,
+            local.select(LOCAL_CENTER_COLUMNS),
+            assignment,
+            origin,
+            config,
+            attempt_id,
+        )
 
     @property
     def dim(self) -> int:
@@ -60,8 +74,15 @@ class StoredModel:
     def clusters(self) -> ClusterSummary:
         """The model's global clusters as identity matching knows them."""
         local = LocalCenters.from_arrow(self.local, self.dim)
-        return ClusterSummary.of(self.cluster_ids, self.centers, self.assignment, local.centers, local.counts,
-                                 self.local.column("sse").to_numpy(), local.devices)
+        return ClusterSummary.of(
+            self.cluster_ids,
+            self.centers,
+            self.assignment,
+            local.centers,
+            local.counts,
+            self.local.column("sse").to_numpy(),
+            local.devices,
+        )
 
     def sweep(self, ks: list[int], params: AlgorithmParams | None = None) -> KSweep:
         """The k sweep over the model's local centers (kfed_spark.k_sweep), with params or the run's own."""
@@ -69,13 +90,18 @@ class StoredModel:
         return LocalCenters.from_arrow(self.local, self.dim).sweep(ks, params)
 
     def label_model(self, label_mode: str, label_unseen: bool = False) -> LabelModel:
-        return LocalCenters.from_arrow(self.local, self.dim).label_model(self.assignment, self.centers, label_mode,
-                                                                         label_unseen, self.cluster_ids)
+        return LocalCenters.from_arrow(self.local, self.dim).label_model(
+            self.assignment, self.centers, label_mode, label_unseen, self.cluster_ids
+        )
 
 
 def newest_run_id(tables: OutputTables) -> str:
     """The run id of the newest succeeded run under the location, or a one-line error."""
-    rows = tables.spark.sql(LATEST_ATTEMPT.format(runs=tables.source("runs"))).collect() if tables.check_log("runs") else []
+    rows = (
+        tables.spark.sql(LATEST_ATTEMPT.format(runs=tables.source("runs"))).collect()
+        if tables.check_log("runs")
+        else []
+    )
     if not rows:
         raise KFedError(f"no succeeded run under {tables.root} to take a model from")
     return rows[0].run_id
@@ -100,14 +126,22 @@ def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel
 def attempt_model(tables: OutputTables, run_id: str, attempt_id: str, config: dict | None = None) -> StoredModel:
     """The model an attempt of a run wrote (its centers and local centers), read beside each other."""
     attempt = (F.col("run_id") == run_id) & (F.col("attempt_id") == attempt_id)
-    read = {"centers": lambda: tables.read("centers").filter(attempt).select("cluster_id", "center").toArrow(),
-            "local_centers": lambda: tables.read("local_centers").filter(attempt)
-            .select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()}
+    read = {
+        "centers": lambda: tables.read("centers").filter(attempt).select("cluster_id", "center").toArrow(),
+        "local_centers": lambda: (
+            tables.read("local_centers").filter(attempt).select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
+        ),
+    }
     tables_read = concurrently(lambda name: read[name](), list(read))
     centers = tables_read["centers"]
-    return StoredModel.of(np.array(centers.column("center").to_pylist(), dtype=np.float64).reshape(len(centers), -1),
-                          centers.column("cluster_id").to_numpy(), tables_read["local_centers"], run_id, config,
-                          attempt_id)
+    return StoredModel.of(
+        np.array(centers.column("center").to_pylist(), dtype=np.float64).reshape(len(centers), -1),
+        centers.column("cluster_id").to_numpy(),
+        tables_read["local_centers"],
+        run_id,
+        config,
+        attempt_id,
+    )
 
 
 def read_saved(spark: SparkSession, path: str) -> tuple[dict, np.ndarray, pa.Table]:
@@ -143,6 +177,9 @@ def reference_run(tables: OutputTables, row: dict) -> ReferenceRun:
     """The clusters of a published attempt (its runs row), for identity matching."""
     model = attempt_model(tables, row["run_id"], row["attempt_id"])
     local = model.local
-    share = largest_share(local.column("device_id").to_numpy(zero_copy_only=False),
-                          model.cluster_ids[model.assignment], local.column("n_points").to_numpy())
+    share = largest_share(
+        local.column("device_id").to_numpy(zero_copy_only=False),
+        model.cluster_ids[model.assignment],
+        local.column("n_points").to_numpy(),
+    )
     return ReferenceRun(row["run_id"], row["attempt_id"], model.clusters(), share)

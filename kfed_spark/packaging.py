@@ -72,13 +72,31 @@ def build(out: Path, python_prefix: str | None = None) -> Packaged:
         env = Path(work) / "environment"
         log.info("creating a virtual environment with %s", " ".join(requirements))
         run([sys.executable, "-m", "venv", str(env)])
-        run([str(env / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-             "venv-pack==0.2.0", *requirements])
+        run(
+            [
+                str(env / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "venv-pack==0.2.0",
+                *requirements,
+            ]
+        )
         archive = out / ENV_ARCHIVE
         archive.unlink(missing_ok=True)
         log.info("packing it into %s", archive)
-        pack = [str(env / "bin" / "venv-pack"), "--prefix", str(env), "--output", str(archive),
-                "--compress-level", "1", "--quiet"]
+        pack = [
+            str(env / "bin" / "venv-pack"),
+            "--prefix",
+            str(env),
+            "--output",
+            str(archive),
+            "--compress-level",
+            "1",
+            "--quiet",
+        ]
         run(pack + (["--python-prefix", python_prefix] if python_prefix else []))
     return Packaged(write_package_zip(out / PACKAGE_ZIP), archive, requirements)
 

@@ -56,8 +56,13 @@ def cluster_count(value: object) -> str | None:
 
 
 def k_range(value: object) -> str | None:
-    if (isinstance(value, (list, tuple)) and len(value) == 2 and integer(1)(value[0]) is None
-            and integer(1)(value[1]) is None and value[0] <= value[1]):
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and integer(1)(value[0]) is None
+        and integer(1)(value[1]) is None
+        and value[0] <= value[1]
+    ):
         return None
     return "[LO, HI] with 1 <= LO <= HI"
 
@@ -78,24 +83,30 @@ class AlgorithmParams:
     """What decides the clustering; every other setting says where rows come from and go."""
 
     k: int | str = param(
-        8, cluster_count, "number of global clusters, or 'auto': after the local step the run sweeps k_range over "
+        8,
+        cluster_count,
+        "number of global clusters, or 'auto': after the local step the run sweeps k_range over "
         "the local centers and takes the k the sweep recommends (kfed_spark.k_sweep), with no extra pass over the rows",
     )
     k_range: tuple[int, int] = param((2, 30), k_range, "with k 'auto': the smallest and largest k swept, both included")
     k_per_device: int | str = param(
-        2, count_source,
+        2,
+        count_source,
         "local clusters per device: an integer in [1, k], 'auto' (each device estimates its own), "
         "or a column of the input or a side table (device column + k)",
     )
     k_per_device_max: int = param(16, integer(1), "with k_per_device 'auto': the largest k a device may estimate")
     seeding: str = param(
-        "kmeanspp", one_of(*SEEDINGS),
+        "kmeanspp",
+        one_of(*SEEDINGS),
         "server seeding rule: kmeanspp (count-weighted greedy k-means++, best of several, on a sample of "
         "the local centers when they are many) or farthest (the paper's farthest-point); robust is an older "
         "name for farthest",
     )
     robust_min_size: float = param(
-        0.25, finite_number, "outlier filter of the server step: local centers backed by fewer rows than this "
+        0.25,
+        finite_number,
+        "outlier filter of the server step: local centers backed by fewer rows than this "
         "times the median center's are left out of seeding and refinement and assigned at the end; 0 turns it off",
     )
     local_restarts: int = param(
@@ -105,7 +116,8 @@ class AlgorithmParams:
         "lloyd", one_of(*SERVER_REFINES), "lloyd (count-weighted Lloyd over the local centers) or none (the paper)"
     )
     server_step: str = param(
-        "auto", one_of(*SERVER_STEPS),
+        "auto",
+        one_of(*SERVER_STEPS),
         "where the server step runs: driver (every local center in the driver's memory), distributed (Spark "
         "partitions reduce the local centers to weighted representatives, the driver merges those) or auto "
         "(distributed above server_distributed_above local centers)",
@@ -117,7 +129,8 @@ class AlgorithmParams:
         2, integer(1), "distributed server step: weighted representatives each partition keeps, per global cluster"
     )
     label_mode: str = param(
-        "induced", one_of(*LABEL_MODES),
+        "induced",
+        one_of(*LABEL_MODES),
         "induced (a row takes the global cluster of its device's nearest local center) or nearest (the nearest "
         "global center)",
     )

@@ -71,15 +71,18 @@ def build(facts: RunFacts) -> dict:
 
 def _since_reference(changes: list[dict]) -> dict:
     """How the run's clusters relate to its reference run's (the cluster_changes rows)."""
-    by_status = {status: sorted(c["cluster_id"] for c in changes if c["status"] == status)
-                 for status in ("kept", "new", "retired")}
+    by_status = {
+        status: sorted(c["cluster_id"] for c in changes if c["status"] == status)
+        for status in ("kept", "new", "retired")
+    }
     kept = [c for c in changes if c["status"] == "kept"]
     moved = max(kept, key=lambda c: c["relative_shift"], default=None)
     return {
         "reference_run_id": changes[0]["reference_run_id"] if changes else None,
         **{status: ids for status, ids in by_status.items()},
-        "largest_shift": None if moved is None else {key: moved[key] for key in ("cluster_id", "center_shift",
-                                                                                 "relative_shift")},
+        "largest_shift": None
+        if moved is None
+        else {key: moved[key] for key in ("cluster_id", "center_shift", "relative_shift")},
         "clusters": changes,
     }
 
@@ -122,12 +125,24 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
     ax = fig.subplots()
     local_2d, global_2d = _projection(facts.local_centers, facts.local_counts, facts.global_centers)
     shown = np.linspace(0, len(local_2d) - 1, min(len(local_2d), PLOTTED_LOCAL_CENTERS)).astype(int)
-    ax.scatter(local_2d[shown, 0], local_2d[shown, 1], s=8, alpha=0.5, c=colors[facts.assignment[shown]],
-               label="local centers")
-    ax.scatter(global_2d[:, 0], global_2d[:, 1], s=90, marker="X", c=colors[:k], edgecolors="black",
-               linewidths=0.8, label="global centers")
-    ax.set(xlabel="principal direction 1", ylabel="principal direction 2",
-           title="Local and global centers (2-D projection), coloured by global cluster")
+    ax.scatter(
+        local_2d[shown, 0], local_2d[shown, 1], s=8, alpha=0.5, c=colors[facts.assignment[shown]], label="local centers"
+    )
+    ax.scatter(
+        global_2d[:, 0],
+        global_2d[:, 1],
+        s=90,
+        marker="X",
+        c=colors[:k],
+        edgecolors="black",
+        linewidths=0.8,
+        label="global centers",
+    )
+    ax.set(
+        xlabel="principal direction 1",
+        ylabel="principal direction 2",
+        title="Local and global centers (2-D projection), coloured by global cluster",
+    )
     ax.legend(loc="best", fontsize=8)
     images["projection"] = _png(fig)
 
@@ -141,8 +156,9 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
         ax = fig.subplots()
         bars = ax.bar(positions, list(values.values()), color="#3b6ea8", width=0.8)
         ax.bar_label(bars, fontsize=8)  # a handful of devices next to thousands is still readable
-        ax.set(xlabel=label, ylabel="devices", title=f"Devices by {label}",
-               xlim=(min(positions) - 1, max(positions) + 1))
+        ax.set(
+            xlabel=label, ylabel="devices", title=f"Devices by {label}", xlim=(min(positions) - 1, max(positions) + 1)
+        )
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         images[name] = _png(fig)
     since = report.get("since_reference")
@@ -159,20 +175,39 @@ def _changes_figure(since: dict) -> bytes:
     positions = np.arange(len(clusters))
     fig = Figure(figsize=(max(6, 0.3 * len(clusters) + 2), 3.6))
     ax = fig.subplots()
-    ax.bar(positions - 0.2, [c["reference_n_points"] or 0 for c in clusters], width=0.4, color="#9aa9bd",
-           label=f"in {since['reference_run_id']}")
+    ax.bar(
+        positions - 0.2,
+        [c["reference_n_points"] or 0 for c in clusters],
+        width=0.4,
+        color="#9aa9bd",
+        label=f"in {since['reference_run_id']}",
+    )
     colors = {"kept": "#3b6ea8", "new": "#2e9e5b", "retired": "#c0392b"}
-    ax.bar(positions + 0.2, [c["n_points"] or 0 for c in clusters], width=0.4,
-           color=[colors[c["status"]] for c in clusters], label="in this run (green: new; red marks: retired)")
+    ax.bar(
+        positions + 0.2,
+        [c["n_points"] or 0 for c in clusters],
+        width=0.4,
+        color=[colors[c["status"]] for c in clusters],
+        label="in this run (green: new; red marks: retired)",
+    )
     for position, cluster in zip(positions, clusters):
         if cluster["status"] == "retired":
             ax.annotate("retired", (position, 0), rotation=90, fontsize=7, ha="center", va="bottom", color="#c0392b")
         elif cluster["status"] == "kept":
-            ax.annotate(f"{cluster['relative_shift']:.2f}", (position + 0.2, cluster["n_points"]), fontsize=6,
-                        ha="center", va="bottom", rotation=90)
+            ax.annotate(
+                f"{cluster['relative_shift']:.2f}",
+                (position + 0.2, cluster["n_points"]),
+                fontsize=6,
+                ha="center",
+                va="bottom",
+                rotation=90,
+            )
     ax.set_xticks(positions, [str(c["cluster_id"]) for c in clusters], fontsize=7, rotation=90)
-    ax.set(xlabel="cluster id", ylabel="rows",
-           title="Since the reference run: rows per cluster (numbers: center shift over spread)")
+    ax.set(
+        xlabel="cluster id",
+        ylabel="rows",
+        title="Since the reference run: rows per cluster (numbers: center shift over spread)",
+    )
     tallest = max([c["n_points"] or 0 for c in clusters] + [c["reference_n_points"] or 0 for c in clusters] + [1])
     ax.set_ylim(0, 1.35 * tallest)  # room for the legend above the bars
     ax.legend(loc="upper left", fontsize=7, ncol=2)
@@ -198,7 +233,9 @@ def _png(fig) -> bytes:
 
 def render_html(report: dict, images: dict[str, bytes]) -> str:
     """One self-contained page: the summary table and the figures inline as data URIs."""
-    rows = "".join(f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td></tr>" for name, value in _lines(report))
+    rows = "".join(
+        f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td></tr>" for name, value in _lines(report)
+    )
     return _page(f"k-FED run {report['run_id']}", f"<table>{rows}</table>", images)
 
 
@@ -210,7 +247,7 @@ def _page(title: str, body: str, images: dict[str, bytes]) -> str:
     )
     title = html.escape(title)
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{title}</title><style>"
         "body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
         "th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left}figure{display:inline-block;margin:1em}"
@@ -236,10 +273,14 @@ def k_sweep_files(sweep: KSweep, run_id: str, attempt_id: str) -> dict[str, byte
         for f in sweep.figures
     )
     said = "".join(f"<li>{html.escape(line)}</li>" for line in sweep.disagreements)
-    body = (f"<p>Recommended k = <b>{sweep.recommended_k}</b>: {html.escape(sweep.rule)}.</p>"
-            + (f"<ul>{said}</ul>" if said else "<p>Every criterion agrees.</p>")
-            + f"<p>{sweep.n_local_centers} local centers, {sweep.n_rows} rows, dimension {sweep.dim}.</p>"
-            + "<table><tr>" + "".join(f"<th>{name}</th>" for name in header) + f"</tr>{cells}</table>")
+    body = (
+        f"<p>Recommended k = <b>{sweep.recommended_k}</b>: {html.escape(sweep.rule)}.</p>"
+        + (f"<ul>{said}</ul>" if said else "<p>Every criterion agrees.</p>")
+        + f"<p>{sweep.n_local_centers} local centers, {sweep.n_rows} rows, dimension {sweep.dim}.</p>"
+        + "<table><tr>"
+        + "".join(f"<th>{name}</th>" for name in header)
+        + f"</tr>{cells}</table>"
+    )
     return {
         "k_sweep.json": (json.dumps(content, indent=2) + "\n").encode(),
         "k_sweep.png": image,
@@ -252,8 +293,12 @@ def _k_sweep_figure(sweep: KSweep) -> bytes:
     from matplotlib.figure import Figure
 
     ks = [f.k for f in sweep.figures]
-    panels = [("sse", "within-cluster SSE"), ("bic", "BIC (higher is better)"),
-              ("silhouette", "silhouette of the local centers"), ("noise_ratio", "between SSE / sampling noise")]
+    panels = [
+        ("sse", "within-cluster SSE"),
+        ("bic", "BIC (higher is better)"),
+        ("silhouette", "silhouette of the local centers"),
+        ("noise_ratio", "between SSE / sampling noise"),
+    ]
     fig = Figure(figsize=(10, 6.5))
     for ax, (key, label) in zip(fig.subplots(2, 2).ravel(), panels):
         values = [np.nan if getattr(f, key) is None else getattr(f, key) for f in sweep.figures]
@@ -273,16 +318,23 @@ def _lines(report: dict) -> list[tuple[str, str]]:
         ("input", str(report["input"])),
         ("rows", f"{report['n_input']} in, {report['n_labelled']} labelled, {report['n_quarantined']} quarantined"),
         ("devices", f"{report['n_devices']} devices, {report['n_local_centers']} local centers"),
-        ("settings", f"k = {report['k']}, k_per_device = {report['k_per_device']}, "
-                     + "".join(f"{name} = {report[name]}, " for name in ("local_restarts", "robust_min_size")
-                               if name in report)  # reports of older versions lack them
-                     + f"seeding = {report['seeding']}, server_refine = {report['server_refine']}, "
-                     f"label_mode = {report['label_mode']}, seed = {report['seed']}, d = {report['dim']}"),
+        (
+            "settings",
+            f"k = {report['k']}, k_per_device = {report['k_per_device']}, "
+            + "".join(
+                f"{name} = {report[name]}, " for name in ("local_restarts", "robust_min_size") if name in report
+            )  # reports of older versions lack them
+            + f"seeding = {report['seeding']}, server_refine = {report['server_refine']}, "
+            f"label_mode = {report['label_mode']}, seed = {report['seed']}, d = {report['dim']}",
+        ),
         ("k-means cost", f"{report['cost']:.6g} ({report['cost'] / max(report['n_labelled'], 1):.4g} per row)"),
         ("k_z per device", _describe(report["k_z"])),
         ("global clusters per device", _describe(report["clusters_per_device"])),
-        ("cluster sizes", f"min {min(report['cluster_sizes'])}, max {max(report['cluster_sizes'])}, "
-                          f"empty {sum(1 for size in report['cluster_sizes'] if size == 0)}"),
+        (
+            "cluster sizes",
+            f"min {min(report['cluster_sizes'])}, max {max(report['cluster_sizes'])}, "
+            f"empty {sum(1 for size in report['cluster_sizes'] if size == 0)}",
+        ),
     ]
     sil = report["silhouette"]
     if sil["value"] is not None:
@@ -290,21 +342,35 @@ def _lines(report: dict) -> list[tuple[str, str]]:
     since = report.get("since_reference")  # reports of older versions lack it
     if since and since["reference_run_id"] is not None:
         moved = since["largest_shift"]
-        lines.append((f"since {since['reference_run_id']}",
-                      f"{len(since['kept'])} kept, new {since['new'] or 'none'}, retired {since['retired'] or 'none'}"
-                      + ("" if moved is None else f"; moved most: {moved['cluster_id']} "
-                                                  f"({moved['relative_shift']:.3f} of its spread)")))
+        lines.append(
+            (
+                f"since {since['reference_run_id']}",
+                f"{len(since['kept'])} kept, new {since['new'] or 'none'}, retired {since['retired'] or 'none'}"
+                + (
+                    ""
+                    if moved is None
+                    else f"; moved most: {moved['cluster_id']} ({moved['relative_shift']:.3f} of its spread)"
+                ),
+            )
+        )
     truth = report["truth"]
     if truth:
-        lines.append((f"against {truth['column']} ({truth['classes']} classes)",
-                      f"ARI {truth['ari']:.4f}, NMI {truth['nmi']:.4f}, accuracy {truth['accuracy']:.4f} "
-                      "(Hungarian matching)"))
+        lines.append(
+            (
+                f"against {truth['column']} ({truth['classes']} classes)",
+                f"ARI {truth['ari']:.4f}, NMI {truth['nmi']:.4f}, accuracy {truth['accuracy']:.4f} "
+                "(Hungarian matching)",
+            )
+        )
     return lines
 
 
 def _describe(distribution: dict) -> str:
     values = ", ".join(f"{value}: {count}" for value, count in distribution["devices_by_value"].items())
-    return f"mean {distribution['mean']:.2f}, min {distribution['min']}, max {distribution['max']} (value: devices = {values})"
+    return (
+        f"mean {distribution['mean']:.2f}, min {distribution['min']}, max {distribution['max']} "
+        f"(value: devices = {values})"
+    )
 
 
 def terminal_text(report: dict) -> str:

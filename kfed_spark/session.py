@@ -30,8 +30,9 @@ DEFAULT_SPARK_LOG_LEVEL = "WARN"
 SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
 """Settings a Spark Connect client may set on its session; the rest belong to the server."""
 CONSOLE_PROGRESS = "spark.ui.showConsoleProgress"
-ONE_BLAS_THREAD_PER_WORKER = {f"spark.executorEnv.{name}": "1" for name in
-                              ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+ONE_BLAS_THREAD_PER_WORKER = {
+    f"spark.executorEnv.{name}": "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+}
 """Each Python worker runs one task on one core: its numpy kernels use one BLAS thread (a config that
 sets these keys, for spark.task.cpus > 1, wins). The driver, where the server step runs, is left to
 use its cores."""
@@ -78,8 +79,12 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         # started by its absolute path (cron, systemd, a BashOperator) without activating it. PySpark
         # reads the workers' interpreter from this variable when it creates the SparkContext.
         os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
-    conf = {**DELTA_SQL_CONF, "spark.log.level": DEFAULT_SPARK_LOG_LEVEL, **ONE_BLAS_THREAD_PER_WORKER,
-            **spark_cfg.conf}
+    conf = {
+        **DELTA_SQL_CONF,
+        "spark.log.level": DEFAULT_SPARK_LOG_LEVEL,
+        **ONE_BLAS_THREAD_PER_WORKER,
+        **spark_cfg.conf,
+    }
     for key, value in {**conf, CONSOLE_PROGRESS: console_progress(conf)}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)

@@ -7,8 +7,10 @@ import signal
 import threading
 
 STOPPED = "stopped by SIGTERM; the attempt was recorded as failed and nothing of it was published"
-STREAM_STOPPED = ("stopped by SIGTERM; every micro-batch that finished is written, and a restart from the checkpoint "
-                  "goes on after the last one")
+STREAM_STOPPED = (
+    "stopped by SIGTERM; every micro-batch that finished is written, and a restart from the checkpoint "
+    "goes on after the last one"
+)
 
 
 class StopRequest(threading.Event):

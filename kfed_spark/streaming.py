@@ -35,6 +35,7 @@ from kfed_spark.tables import STREAM_TABLES, stream_schemas, stream_stats_column
 
 log = logging.getLogger("kfed_spark")
 
+
 def locations(cfg: KFedConfig) -> dict[str, str]:
     """The stream's tables that stream.labels and stream.quarantine put elsewhere than under output.path."""
     configured = {"stream_labels": cfg.stream.labels, "stream_quarantine": cfg.stream.quarantine}
@@ -85,20 +86,38 @@ class Stream:
             written[name] = sum(commit.rows for commit in commits)
             batches |= {int(commit.userMetadata.rsplit(" ", 1)[1]) for commit in commits}
         new = (
-            self.tables.read("stream_labels")
-            .filter(F.col("new_device") & F.col("batch_id").isin(sorted(batches))
-                    & (F.col("model_run_id") == self.model_run_id))
-            .select(self.device_col).distinct().count()
-        ) if batches else 0
-        return StreamResult(self.model_run_id, len(batches), written["stream_labels"], written["stream_quarantine"],
-                            new, self.tables.path("stream_labels"), self.tables.path("stream_quarantine"))
+            (
+                self.tables.read("stream_labels")
+                .filter(
+                    F.col("new_device")
+                    & F.col("batch_id").isin(sorted(batches))
+                    & (F.col("model_run_id") == self.model_run_id)
+                )
+                .select(self.device_col)
+                .distinct()
+                .count()
+            )
+            if batches
+            else 0
+        )
+        return StreamResult(
+            self.model_run_id,
+            len(batches),
+            written["stream_labels"],
+            written["stream_quarantine"],
+            new,
+            self.tables.path("stream_labels"),
+            self.tables.path("stream_quarantine"),
+        )
 
 
 def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_now: bool) -> Stream:
     """Start the query that labels what arrives in cfg.input with the model."""
     inp = cfg.input
     if cfg.stream.max_files_per_trigger is not None:
-        inp = dataclasses.replace(inp, options={**inp.options, "maxFilesPerTrigger": str(cfg.stream.max_files_per_trigger)})
+        inp = dataclasses.replace(
+            inp, options={**inp.options, "maxFilesPerTrigger": str(cfg.stream.max_files_per_trigger)}
+        )
     source = read_input(spark, inp, streaming=True)
     schemas = stream_schemas(source.schema)
     tables = OutputTables(spark, cfg.output, locations(cfg))
@@ -111,14 +130,17 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
     def write_batch(batch: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         tagged = batch.select(
-            "*", F.lit(model.origin).alias("model_run_id"), F.lit(batch_id).cast("long").alias("batch_id"),
+            "*",
+            F.lit(model.origin).alias("model_run_id"),
+            F.lit(batch_id).cast("long").alias("batch_id"),
             F.lit(datetime.now(timezone.utc)).alias("arrived_at"),
         ).persist()
         try:
             bad = F.col(REASON_COL).isNotNull()
             new_device = F.col("local_cluster_id").isNull()
             [counts] = tagged.agg(
-                F.count(F.lit(1)).alias("rows"), F.count(REASON_COL).alias("bad"),
+                F.count(F.lit(1)).alias("rows"),
+                F.count(REASON_COL).alias("bad"),
                 F.collect_set(F.when(~bad & new_device, F.col(device_col))).alias("new"),
             ).collect()
             n_bad, n_good, new = counts.bad, counts.rows - counts.bad, counts.new
@@ -127,16 +149,26 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
             if n_good:
                 frames["stream_labels"] = good.select(*schemas["stream_labels"].names)
             if n_bad:
-                frames["stream_quarantine"] = (tagged.filter(bad).withColumnRenamed(REASON_COL, "reason")
-                                               .select(*schemas["stream_quarantine"].names))
+                frames["stream_quarantine"] = (
+                    tagged.filter(bad)
+                    .withColumnRenamed(REASON_COL, "reason")
+                    .select(*schemas["stream_quarantine"].names)
+                )
             # The batch's own session: over Spark Connect this function runs in the server, not where start ran.
             OutputTables(batch.sparkSession, cfg.output, locations(cfg)).append_batch(
-                frames, app_id, batch_id, f"kfed-spark stream {app_id} {tag} batch {batch_id}")
+                frames, app_id, batch_id, f"kfed-spark stream {app_id} {tag} batch {batch_id}"
+            )
             faults.point("stream_batch")
         finally:
             tagged.unpersist()
-        log.info("stream batch %d: %d rows labelled, %d quarantined, %d devices the model has not seen, in %.2f s",
-                 batch_id, n_good, n_bad, len(new), time.perf_counter() - started)
+        log.info(
+            "stream batch %d: %d rows labelled, %d quarantined, %d devices the model has not seen, in %.2f s",
+            batch_id,
+            n_good,
+            n_bad,
+            len(new),
+            time.perf_counter() - started,
+        )
 
     writer = (
         labelled_plan(source, cfg, model.label_model(cfg.label_mode, label_unseen=True), model.dim)
@@ -149,6 +181,12 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
     else:
         writer = writer.trigger(processingTime=f"{cfg.stream.trigger_seconds} seconds")
     query = writer.start()
-    log.info("stream %s started with the model of %s: %s -> %s (checkpoint %s)", query.id, model.origin,
-             cfg.input.table or cfg.input.path, tables.path("stream_labels"), checkpoint)
+    log.info(
+        "stream %s started with the model of %s: %s -> %s (checkpoint %s)",
+        query.id,
+        model.origin,
+        cfg.input.table or cfg.input.path,
+        tables.path("stream_labels"),
+        checkpoint,
+    )
     return Stream(query, tables, model.origin, device_col, tag)

@@ -44,19 +44,19 @@ LATEST_ATTEMPT = (
 """The published attempt of the newest succeeded run."""
 TABLE_COMMENTS = {
     "labels": "k-FED: every valid input row with its global cluster (cluster_id), one partition per attempt "
-              "of a run; read the published attempt through the labels view or the runs table",
+    "of a run; read the published attempt through the labels view or the runs table",
     "centers": "k-FED: the k global cluster centers of each attempt of a run",
     "local_centers": "k-FED: the local centers each device shared (the only data that left a device), with "
-                     "the global cluster each one joined",
+    "the global cluster each one joined",
     "quarantine": "k-FED: input rows that could not be clustered, with the reason",
     "device_clusters": "k-FED: each device's profile, one row per device and global cluster it has rows in "
-                       "(for per-cluster models and client selection)",
+    "(for per-cluster models and client selection)",
     "cluster_changes": "k-FED: how each run's clusters relate to its reference run's (kept, new or retired), "
-                       "one row per cluster of the run and per retired cluster of the reference",
+    "one row per cluster of the run and per retired cluster of the reference",
     "runs": "k-FED: one row per attempt of a run; the succeeded attempt with the highest publish_seq of a "
-            "run_id is the published one",
+    "run_id is the published one",
     "stream_labels": "k-FED stream: every valid row that arrived, with its global cluster from a finished run's "
-                     "model, written exactly once",
+    "model, written exactly once",
     "stream_quarantine": "k-FED stream: rows that arrived and could not be labelled, with the reason",
 }
 """Each output table's Delta comment (DESCRIBE DETAIL shows it as description)."""
@@ -67,7 +67,7 @@ COLUMN_COMMENTS = {
     "center": "the center's coordinates, one per feature",
     "distance": "the row's Euclidean distance to its global cluster's center (the squares add up to the run's cost)",
     "margin": "(d_other - d) / (d_other + d), d the row's distance to its cluster's center and d_other to the "
-              "nearest other center: 1 on its center, 0 half-way, negative nearer another center",
+    "nearest other center: 1 on its center, 0 half-way, negative nearer another center",
     "sse": "sum of squared distances of the local cluster's rows to its center",
     "reason": "why the row was not clustered",
     "status": "running, succeeded, failed, abandoned or superseded",
@@ -77,13 +77,14 @@ COLUMN_COMMENTS = {
     "host": "the host of the driver process of the attempt",
     "pid": "the process id of the driver of the attempt",
     "parent_run_id": "for a run made by assign: the run whose model labelled the rows (model:<path> for a saved "
-                     "KFedModel)",
+    "KFedModel)",
     "started_at": "when the attempt started (UTC)",
     "finished_at": "when the attempt finished (UTC)",
     "input": "the input table or path",
     "k": "global clusters: as asked for, or as the k sweep chose with k auto (0 while it has not chosen yet)",
     "k_range": "with k auto: the smallest and largest k swept (null: k was given)",
-    "k_sweep": "with k auto: every swept k's exact SSE, BIC, silhouette, noise ratio and stability (kfed_spark.k_sweep)",
+    "k_sweep": "with k auto: every swept k's exact SSE, BIC, silhouette, noise ratio and stability "
+    "(kfed_spark.k_sweep)",
     "k_per_device": "local clusters per device: a number, a column or auto",
     "seed": "the run seed; every random draw is seeded from it and the device id",
     "seeding": "the server step's seeding rule (kmeanspp or farthest)",
@@ -105,24 +106,22 @@ COLUMN_COMMENTS = {
     "timings": "seconds spent in each stage",
     "model_run_id": "the run whose model labelled the row (model:<path> for a saved KFedModel)",
     "new_device": "whether the model had not seen the row's device: it took the nearest global center, and the "
-                  "next run clusters the device",
+    "next run clusters the device",
     "batch_id": "the stream's micro-batch that wrote the row",
     "arrived_at": "when the micro-batch that wrote the row started (UTC)",
     "config": "the run's full configuration, as JSON",
     "identity_mode": "stable (ids matched to the reference run's) or fresh (0..k-1); null in rows of older versions",
     "reference_run_id": "the run whose clusters this run's were matched to (null: none)",
     "reference_attempt_id": "the published attempt of the reference run that was matched",
-    "highest_cluster_id": "the highest cluster id used in the location up to this run; null in rows of older "
-                          "versions",
+    "highest_cluster_id": "the highest cluster id used in the location up to this run; null in rows of older versions",
     "center_shift": "distance between the cluster's center and its reference cluster's",
-    "relative_shift": "center_shift over the pooled root-mean-square distance of both clusters' rows to their "
-                      "centers",
+    "relative_shift": "center_shift over the pooled root-mean-square distance of both clusters' rows to their centers",
     "reference_n_points": "rows of the reference cluster",
     "reference_n_devices": "devices with rows in the reference cluster",
     "devices_in": "devices in both runs whose largest share of rows (as their local centers count them) is in this "
-                  "cluster now and was in another",
+    "cluster now and was in another",
     "devices_out": "devices in both runs whose largest share of rows (as their local centers count them) was in "
-                   "this cluster and is in another now",
+    "this cluster and is in another now",
     "versions": "versions of kfed-spark, Spark, Delta and the numeric libraries",
 }
 """Delta comments of the output columns; a column not named here is the input's and says so."""
@@ -141,10 +140,11 @@ TABLE_COLUMN_COMMENTS = {
     ("device_clusters", "n_points"): "the device's labelled rows in the cluster",
     ("cluster_changes", "cluster_id"): "the cluster (of this run, or retired from the reference run)",
     ("cluster_changes", "status"): "kept (matched to a reference cluster, whose id it keeps), new (an id never "
-                                   "used before) or retired (a reference cluster no cluster of this run matched)",
+    "used before) or retired (a reference cluster no cluster of this run matched)",
     ("cluster_changes", "n_points"): "rows in the cluster (null for a retired one)",
     ("cluster_changes", "n_devices"): "devices with rows in the cluster (null for a retired one)",
 }
+
 
 def column_comment(table: str, column: str) -> str:
     return TABLE_COLUMN_COMMENTS.get((table, column)) or COLUMN_COMMENTS.get(column) or "as in the input table"
@@ -224,13 +224,21 @@ def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructT
     return {
         "labels": StructType(labelled_fields(raw_schema) + tagged),
         "centers": StructType(CENTERS_FIELDS + tagged),
-        "local_centers": StructType([device, *LOCAL_CENTER_FIELDS, StructField("cluster_id", IntegerType(), False),
-                                     *tagged]),
+        "local_centers": StructType(
+            [device, *LOCAL_CENTER_FIELDS, StructField("cluster_id", IntegerType(), False), *tagged]
+        ),
         "quarantine": StructType(list(raw_schema.fields) + [StructField("reason", StringType(), False), *tagged]),
         "device_clusters": StructType([device, *DEVICE_CLUSTER_FIELDS, *tagged]),
-        "cluster_changes": StructType([*CLUSTER_CHANGE_FIELDS,
-                                       *[StructField(name, ArrayType(device.dataType, False), False)
-                                         for name in ("devices_in", "devices_out")], *tagged]),
+        "cluster_changes": StructType(
+            [
+                *CLUSTER_CHANGE_FIELDS,
+                *[
+                    StructField(name, ArrayType(device.dataType, False), False)
+                    for name in ("devices_in", "devices_out")
+                ],
+                *tagged,
+            ]
+        ),
         "runs": RUNS_SCHEMA,
     }
 
@@ -241,14 +249,16 @@ def stats_columns(device_col: str) -> dict[str, list[str]]:
     return {"labels": [device_col, "local_cluster_id", "cluster_id"], "quarantine": [device_col, "reason"]}
 
 
-K_SWEEP_TYPE = StructType([
-    StructField("k", IntegerType(), False),
-    StructField("sse", DoubleType(), False),
-    StructField("bic", DoubleType(), False),
-    StructField("silhouette", DoubleType(), False),
-    StructField("noise_ratio", DoubleType(), True),
-    StructField("stability", DoubleType(), True),
-])
+K_SWEEP_TYPE = StructType(
+    [
+        StructField("k", IntegerType(), False),
+        StructField("sse", DoubleType(), False),
+        StructField("bic", DoubleType(), False),
+        StructField("silhouette", DoubleType(), False),
+        StructField("noise_ratio", DoubleType(), True),
+        StructField("stability", DoubleType(), True),
+    ]
+)
 """One k of a k auto run's sweep (kfed_spark.k_sweep.KFigures without its seconds)."""
 
 RUNS_SCHEMA = StructType(

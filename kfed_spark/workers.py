@@ -289,13 +289,17 @@ def label_arrays(
 def _labels(fields: list[pa.Array], blob: bytes | None) -> pa.StructArray:
     """A batch's label fields with EVALUATION_COL, holding blob (if any) on its last row."""
     n = len(fields[0])
-    blobs = pa.nulls(n, pa.binary()) if blob is None else pa.concat_arrays(
-        [pa.nulls(n - 1, pa.binary()), pa.array([blob], type=pa.binary())])
+    blobs = (
+        pa.nulls(n, pa.binary())
+        if blob is None
+        else pa.concat_arrays([pa.nulls(n - 1, pa.binary()), pa.array([blob], type=pa.binary())])
+    )
     return pa.StructArray.from_arrays([*fields, blobs], names=list(LABEL_FIELDS))
 
 
-def _scatter(values: np.ndarray, rows: np.ndarray, unlabelled: np.ndarray, kind: pa.DataType,
-             unset: int | None = None) -> pa.Array:
+def _scatter(
+    values: np.ndarray, rows: np.ndarray, unlabelled: np.ndarray, kind: pa.DataType, unset: int | None = None
+) -> pa.Array:
     """values placed at rows of a column of len(unlabelled) rows; null elsewhere and where a value is `unset`."""
     full = np.zeros(len(unlabelled), dtype=values.dtype)
     full[rows] = values

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import MIXTURE, bare_environment, free_port, run_cli, servers, spark_home, wait_for
+from kfed_spark.bench.synthetic import write_mixture
 from kfed_spark.config import SparkConfig
 from kfed_spark.session import build_session
-from kfed_spark.bench.synthetic import write_mixture
-
-from helpers import MIXTURE, bare_environment, free_port, run_cli, servers, spark_home, wait_for
 
 collect_ignore = ["airflow"]  # run inside the Airflow environment by test_airflow.py
 
@@ -55,7 +54,6 @@ def spark(tmp_path_factory):
     session.stop()
 
 
-
 @pytest.fixture(scope="session")
 def mixture_path(tmp_path_factory):
     """A separated 12-cluster mixture: 60 devices x 100 rows, 3 clusters per device, d = 8."""
@@ -69,17 +67,22 @@ def write_config(folder: Path, mixture_path: str) -> Path:
     own started on it gets the test session's sizes (not Spark's defaults for big tables), but no master
     and no log level: spark-submit's --master and the tests that read Spark's log decide those."""
     path = folder / "kfed.yaml"
-    spark_conf = json.dumps({
-        **{key: value for key, value in TEST_SPARK_CONF.items()
-           if key not in ("spark.task.maxFailures", "spark.log.level")},
-        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",  # a short-lived JVM starts faster
-    })
+    spark_conf = json.dumps(
+        {
+            **{
+                key: value
+                for key, value in TEST_SPARK_CONF.items()
+                if key not in ("spark.task.maxFailures", "spark.log.level")
+            },
+            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",  # a short-lived JVM starts faster
+        }
+    )
     path.write_text(
         f"""
 input: {{path: "{mixture_path}", format: parquet, truth_col: true_cluster}}
-output: {{path: "{folder / 'out'}"}}
-k: {MIXTURE['k']}
-k_per_device: {MIXTURE['k_per_device']}
+output: {{path: "{folder / "out"}"}}
+k: {MIXTURE["k"]}
+k_per_device: {MIXTURE["k_per_device"]}
 seed: 11
 run_id: first
 spark: {{conf: {spark_conf}}}
@@ -123,11 +126,38 @@ def standalone_master(tmp_path_factory):
     url = f"spark://127.0.0.1:{port}"
     spark_class = str(spark_home() / "bin" / "spark-class")
     with servers(logs) as start:
-        master_log = start([spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                            "--port", str(port), "--webui-port", str(free_port())], env)
+        master_log = start(
+            [
+                spark_class,
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--webui-port",
+                str(free_port()),
+            ],
+            env,
+        )
         wait_for(master_log, "Starting Spark master")
         for i in range(2):
-            start([spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1",
-                   "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(logs / f"work{i}"), url], env)
+            start(
+                [
+                    spark_class,
+                    "org.apache.spark.deploy.worker.Worker",
+                    "--host",
+                    "127.0.0.1",
+                    "--cores",
+                    "1",
+                    "--memory",
+                    "1g",
+                    "--webui-port",
+                    str(free_port()),
+                    "--work-dir",
+                    str(logs / f"work{i}"),
+                    url,
+                ],
+                env,
+            )
         wait_for(master_log, "Registering worker", 2)
         yield StandaloneCluster(url, [logs / f"work{i}" for i in range(2)])

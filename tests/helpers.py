@@ -23,13 +23,16 @@ def published(spark, out, name):
     return OutputTables(spark, OutputConfig(path=str(out))).published(name)
 
 
-
 def assert_commented(spark, path, name):
     """The Delta table at path carries its table comment and a comment on every column."""
     assert spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first().description == TABLE_COMMENTS[name]
-    columns = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{path}`").collect()
-               if row.col_name and not row.col_name.startswith("#")}
+    columns = {
+        row.col_name: row.comment
+        for row in spark.sql(f"DESCRIBE delta.`{path}`").collect()
+        if row.col_name and not row.col_name.startswith("#")
+    }
     assert all(columns.values()), (name, columns)
+
 
 def runs_of(spark, out):
     """Every attempt recorded under an output location, oldest first."""
@@ -41,7 +44,8 @@ MIXTURE = dict(k=12, k_per_device=3, devices=60, points_per_device=100, dim=8, s
 
 
 FAR_MIXTURE = dict(k=12, k_per_device=4, devices=60, points_per_device=100, dim=6, seed=5)
-"""The scale tests' mixture (kfed_spark.bench.synthetic.mixture): 12 clusters, 60 devices x 100 rows, 4 per device, d = 6."""
+"""The scale tests' mixture (kfed_spark.bench.synthetic.mixture): 12 clusters, 60 devices x 100 rows, 4 per
+device, d = 6."""
 
 
 FEATURE_MOVES = {"shifted by 1e6": (1.0, 1e6), "shifted by 1e9": (1.0, 1e9), "scaled by 1e-6": (1e-6, 0.0)}
@@ -102,7 +106,7 @@ def _readme_duckdb_view() -> str:
     """The README's DuckDB view of the published labels, read out of the README so that they cannot drift."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     start = text.index('duckdb.sql("""\nCREATE OR REPLACE VIEW published_labels') + len('duckdb.sql("""')
-    return text[start:text.index('""")', start)]
+    return text[start : text.index('""")', start)]
 
 
 DUCKDB_PUBLISHED_LABELS = _readme_duckdb_view()
@@ -120,7 +124,9 @@ def duckdb_published(out, name: str):
         con.register(table, DeltaTable(str(Path(out) / table)).to_pyarrow_dataset())
     if name == "runs":
         return con.sql("SELECT * FROM runs").to_arrow_table()
-    con.sql(DUCKDB_PUBLISHED_LABELS.replace("published_labels", f"published_{name}").replace("FROM labels", f"FROM {name}"))
+    con.sql(
+        DUCKDB_PUBLISHED_LABELS.replace("published_labels", f"published_{name}").replace("FROM labels", f"FROM {name}")
+    )
     return con.sql(f"SELECT * FROM published_{name}").to_arrow_table()
 
 
@@ -128,7 +134,7 @@ def readme_device_profile_queries() -> list[str]:
     """The README's two SQL queries on device_clusters: per-cluster training devices, client selection."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     start = text.index("```sql\n-- Devices to train each cluster's own model on") + len("```sql\n")
-    return [query.strip() for query in text[start:text.index("```", start)].split(";") if query.strip()]
+    return [query.strip() for query in text[start : text.index("```", start)].split(";") if query.strip()]
 
 
 needs_shared_data = pytest.mark.skipif(
@@ -205,6 +211,9 @@ def bare_environment(folder: Path) -> dict[str, str]:
     """What the workers see: a PATH whose python3 is a venv without packages, no PYSPARK_* or venv."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
     assert subprocess.run([folder / "bin" / "python3", "-c", "import numpy"], capture_output=True).returncode != 0
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_"))}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_"))
+    }
     return {**env, "PATH": f"{folder / 'bin'}:/usr/bin:/bin", "SPARK_LOCAL_IP": "127.0.0.1"}

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import MIXTURE, ROOT
 from kfed_spark.packaging import build
 from kfed_spark.session import delta_package
-
-from helpers import MIXTURE, ROOT
-
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
@@ -43,7 +41,7 @@ def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path, standalone_m
     build(tmp_path / "dist")
     config = tmp_path / "kfed.yaml"
     config.write_text(
-        f"input: {{path: \"{mixture_path}\"}}\noutput: {{path: unused}}\n"
+        f'input: {{path: "{mixture_path}"}}\noutput: {{path: unused}}\n'
         f"k: {MIXTURE['k']}\nk_per_device: {MIXTURE['k_per_device']}\nseed: 1\n"
         "spark: {conf: {spark.sql.shuffle.partitions: '2', spark.databricks.delta.snapshotPartitions: '2', "
         "spark.ui.enabled: 'false', spark.executor.memory: 512m}}\n"
@@ -68,9 +66,22 @@ def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path, standalone_m
     migrate = subprocess.run([str(python), "-m", "airflow", "db", "migrate"], env=env, capture_output=True, text=True)
     assert migrate.returncode == 0, migrate.stderr[-3000:]
     result = subprocess.run(
-        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--confcutdir", str(ROOT / "tests" / "airflow"),
-         str(ROOT / "tests" / "airflow")],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200,
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--confcutdir",
+            str(ROOT / "tests" / "airflow"),
+            str(ROOT / "tests" / "airflow"),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     assert "4 passed" in result.stdout

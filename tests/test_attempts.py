@@ -52,14 +52,19 @@ def test_writes_to_one_table_on_a_local_disk_take_turns_across_processes(tmp_pat
 
     out = str(tmp_path / "out")
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys\n"
-         "from kfed_spark.config import OutputConfig\n"
-         "from kfed_spark.io import OutputTables\n"
-         f"with OutputTables(None, OutputConfig(path={out!r})).writing('runs'):\n"
-         "    print('holding', flush=True)\n"
-         "    sys.stdin.readline()\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys\n"
+            "from kfed_spark.config import OutputConfig\n"
+            "from kfed_spark.io import OutputTables\n"
+            f"with OutputTables(None, OutputConfig(path={out!r})).writing('runs'):\n"
+            "    print('holding', flush=True)\n"
+            "    sys.stdin.readline()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert holder.stdout.readline().strip() == "holding"
     tables = OutputTables(None, OutputConfig(path=out))

@@ -46,28 +46,54 @@ def test_the_fresh_process_benchmark_times_each_contender_as_its_own_process(tmp
 
     data = tmp_path / "input"
     write_mixture(data, k=6, k_per_device=2, devices=30, points_per_device=40, dim=3, seed=2)
-    assert main(["bench", "--data", str(data), "--out", str(tmp_path / "bench"), "--k", "6", "--k-per-device", "2",
-                 "--seed", "2", "--no-warm"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "bench"),
+                "--k",
+                "6",
+                "--k-per-device",
+                "2",
+                "--seed",
+                "2",
+                "--no-warm",
+            ]
+        )
+        == 0
+    )
 
     saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
     assert set(saved) == {"fresh"}
     fresh = saved["fresh"]
     assert fresh["rows"] == 1200 and [run["name"] for run in fresh["runs"]] == [
-        KFED, f"{SWEEP}, k = 2..60", MLLIB, PASSES]  # 30 devices x 2 local centers cap the sweep at 60
+        KFED,
+        f"{SWEEP}, k = 2..60",
+        MLLIB,
+        PASSES,
+    ]  # 30 devices x 2 local centers cap the sweep at 60
     kfed, sweep, mllib, passes = fresh["runs"]
     assert list(kfed["stages"])[:3] == ["session", "validate", "claim"] and "publish" in kfed["stages"]
     for run in fresh["runs"]:  # the stages and the rest add up to the wall time
         assert run["seconds"] > 0 and abs(sum(run["stages"].values()) - run["seconds"]) < 0.01
-        assert run["peak_memory_mb"]["python driver"] > 0 and run["peak_memory_mb"][
-            "spark JVM (driver and executors in local mode)"] > 100
+        assert (
+            run["peak_memory_mb"]["python driver"] > 0
+            and run["peak_memory_mb"]["spark JVM (driver and executors in local mode)"] > 100
+        )
     assert kfed["ari"] > 0.95 and mllib["ari"] > 0.5 and passes["cost"] is None
     assert kfed["peak_memory_mb"]["largest python worker"] > 0  # the sampler sees the job's workers
-    assert set(fresh["ratios"]) == {"MLlib / k-FED, wall time", "k-FED / Spark's bare passes, wall time",
-                                    "k-FED cost / MLlib cost",
-                                    "k sweep of 59 ks / one MLlib read and fit at k = 6, wall time"}
+    assert set(fresh["ratios"]) == {
+        "MLlib / k-FED, wall time",
+        "k-FED / Spark's bare passes, wall time",
+        "k-FED cost / MLlib cost",
+        "k sweep of 59 ks / one MLlib read and fit at k = 6, wall time",
+    }
     assert sweep["stages"]["server steps and figures"] > 0 and "the input's true k is 6" in fresh["notes"][-1]
     assert "## Fresh processes" in capsys.readouterr().out
-    runs = (tmp_path / "bench" / "fresh" / "kfed" / "runs")
+    runs = tmp_path / "bench" / "fresh" / "kfed" / "runs"
     assert runs.is_dir()  # the setup run created the location the timed run wrote into
 
 
@@ -81,15 +107,33 @@ def test_server_benchmark_times_both_seeding_rules_and_refinements(capsys):
         assert float(lines[f"refine rounds, seeding={seeding} server_refine=none"]) == 0
         assert float(lines[f"refine rounds, seeding={seeding} server_refine=lloyd"]) >= 1
         assert float(lines[f"weighted cost, seeding={seeding} server_refine=lloyd"]) <= float(
-            lines[f"weighted cost, seeding={seeding} server_refine=none"])
+            lines[f"weighted cost, seeding={seeding} server_refine=none"]
+        )
     assert float(lines["kmeanspp / farthest seconds, server_refine=lloyd"]) > 0
 
 
 def test_distributed_server_benchmark_merges_generated_centers_in_spark(spark, tmp_path, capsys):
     from kfed_spark.cli import main
 
-    assert main(["bench-server", "--distributed", "--devices", "2000", "--per-device", "3", "--k", "10", "--dim", "4",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "bench-server",
+                "--distributed",
+                "--devices",
+                "2000",
+                "--per-device",
+                "3",
+                "--k",
+                "10",
+                "--dim",
+                "4",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     lines = dict(line.split(": ") for line in capsys.readouterr().out.strip().splitlines())
     assert float(lines["local_centers"]) == 6000 and float(lines["ARI against the generating means"]) == 1.0
     assert 0 < float(lines["representatives merged on the driver"]) < 6000
@@ -107,5 +151,6 @@ def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path):
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.strip().splitlines()[-1] == (
             f"kfed-spark: error: {command[0]} needs scikit-learn: pip install 'kfed-spark[bench]' "
-            + ("or pass --no-sklearn" if command[0] == "bench" else "(its centralized baseline)"))
+            + ("or pass --no-sklearn" if command[0] == "bench" else "(its centralized baseline)")
+        )
     assert not (tmp_path / "b").exists()

@@ -2,9 +2,9 @@
 
 import json
 
-from helpers import MIXTURE, published, run_cli, runs_of
 from pyspark.sql import functions as F
 
+from helpers import MIXTURE, published, run_cli, runs_of
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.faults import FAULT_ENV
@@ -18,8 +18,10 @@ def test_a_k_auto_run_sweeps_chooses_records_and_a_rerun_chooses_the_same(spark,
     out = tmp_path / "out"
     auto = ("k=auto", "k_range=[3, 20]")
     assert main(["run", "--config", str(config), "--dry-run", *[a for item in auto for a in ("--set", item)]]) == 0
-    assert "k = auto (after the local step, a sweep of k = 3..20 over the local centers chooses it)" in \
-        capsys.readouterr().out
+    assert (
+        "k = auto (after the local step, a sweep of k = 3..20 over the local centers chooses it)"
+        in capsys.readouterr().out
+    )
     assert run_cli(config, *auto) == 0
     assert run_cli(config, *auto, "run_id=again") == 0
     rows = {row.run_id: row for row in runs_of(spark, out)}

@@ -17,8 +17,10 @@ def test_the_parser_names_the_datasets_the_tooling_knows():
 
 def test_a_run_imports_none_of_the_benchmarks_tooling():
     """What `kfed-spark run` imports before its Spark session: the CLI, the job and the session."""
-    code = ("import sys, kfed_spark.cli, kfed_spark.job, kfed_spark.session; "
-            "print(sorted(m for m in sys.modules if m.startswith('kfed_spark.bench')))")
+    code = (
+        "import sys, kfed_spark.cli, kfed_spark.job, kfed_spark.session; "
+        "print(sorted(m for m in sys.modules if m.startswith('kfed_spark.bench')))"
+    )
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert imported.strip() == "[]"
 
@@ -26,8 +28,9 @@ def test_a_run_imports_none_of_the_benchmarks_tooling():
 @pytest.mark.parametrize("command", ["run", "assign", "stream"])
 def test_the_commands_that_run_take_a_config_its_overrides_and_the_run_output_flags(command):
     model = ["--model-run", "r"] if command == "assign" else []
-    args = build_parser().parse_args([command, "--config", "c.yaml", "--set", "k=3", "--set", "seed=1", "--json",
-                                      *model])
+    args = build_parser().parse_args(
+        [command, "--config", "c.yaml", "--set", "k=3", "--set", "seed=1", "--json", *model]
+    )
     assert (args.config, args.overrides, args.json, args.quiet) == ("c.yaml", ["k=3", "seed=1"], True, False)
     assert build_parser().parse_args([command, "--config", "c.yaml", *model]).overrides == []
 

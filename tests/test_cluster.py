@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kfed_spark.session import delta_package
-
 from helpers import MIXTURE, ROOT, bare_environment, labels_of, run_cli
+from kfed_spark.session import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
@@ -22,7 +21,7 @@ CLUSTER_SECTION = "## On a cluster with spark-submit"
 def readme_cluster_commands() -> list[str]:
     """The commands of the first bash block of the README's cluster section, continuation lines joined."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index(CLUSTER_SECTION):]
+    section = text[text.index(CLUSTER_SECTION) :]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
@@ -45,14 +44,18 @@ def test_readme_cluster_commands_label_as_local_mode_does(spark, config, tmp_pat
         "spark.sql.shuffle.partitions 4\nspark.databricks.delta.snapshotPartitions 2\n"
     )
     # The submitting machine: kfed-spark installed and on PATH, as after the README's install command.
-    env = {**bare_environment(tmp_path / "bare"), "SPARK_CONF_DIR": str(spark_conf),
-           "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
-    overrides = (f" --set input.path={mixture_path} --set input.format=parquet --set output.path={tmp_path / 'cluster'}"
-                 f" --set k={MIXTURE['k']} --set k_per_device={MIXTURE['k_per_device']} --set seed=11"
-                 " --set run_id=first --set local_partitions=4 --set output.database=null")
+    env = {
+        **bare_environment(tmp_path / "bare"),
+        "SPARK_CONF_DIR": str(spark_conf),
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+    }
+    overrides = (
+        f" --set input.path={mixture_path} --set input.format=parquet --set output.path={tmp_path / 'cluster'}"
+        f" --set k={MIXTURE['k']} --set k_per_device={MIXTURE['k_per_device']} --set seed=11"
+        " --set run_id=first --set local_partitions=4 --set output.database=null"
+    )
     for command in (package, submit.replace("spark://HOST:7077", standalone_master.url) + overrides):
-        result = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True,
-                                timeout=900)
+        result = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, f"{command}\n{result.stderr[-4000:]}"
     assert len(standalone_master.applications()) == applications_before + 1  # it ran on the workers
     expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()

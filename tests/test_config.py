@@ -47,8 +47,10 @@ def test_features_can_be_a_list_of_columns():
         (["k=automatic"], "k must be an integer >= 1 or 'auto', got 'automatic'"),
         (["k=auto", "k_range=[5, 2]"], r"k_range must be \[LO, HI\] with 1 <= LO <= HI, got \(5, 2\)"),
         (["k=auto", "k_range=3"], r"k_range must be \[LO, HI\] with 1 <= LO <= HI, got 3"),
-        (["k=auto", "k_range=[2, 30]", "k_per_device=4"],
-         r"k_per_device \(4\) must not exceed the smallest k of k_range \(2\)"),
+        (
+            ["k=auto", "k_range=[2, 30]", "k_per_device=4"],
+            r"k_per_device \(4\) must not exceed the smallest k of k_range \(2\)",
+        ),
         (["k=4", "k_per_device=5"], r"k_per_device \(5\) must not exceed k \(4\)"),
         (["k_per_device=0"], "k_per_device must be an integer >= 1"),
         (["seed=-1"], "seed must be an integer >= 0, got -1"),

@@ -13,10 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from kfed_spark.session import delta_package
-
 from conftest import TEST_SPARK_CONF
+
 from helpers import (
     MIXTURE,
     by_row,
@@ -29,6 +27,7 @@ from helpers import (
     spark_home,
     wait_for_port,
 )
+from kfed_spark.session import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
@@ -47,9 +46,18 @@ def connect_url(tmp_path_factory):
         "spark.connect.grpc.binding.port": str(port),
         "spark.sql.warehouse.dir": str(logs / "warehouse"),
     }
-    command = [str(spark_home() / "bin" / "spark-submit"), "--master", "local[2]", "--packages", delta_package(),
-               "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--name", "kfed-connect-test",
-               *[arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}")]]
+    command = [
+        str(spark_home() / "bin" / "spark-submit"),
+        "--master",
+        "local[2]",
+        "--packages",
+        delta_package(),
+        "--class",
+        "org.apache.spark.sql.connect.service.SparkConnectServer",
+        "--name",
+        "kfed-connect-test",
+        *[arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}")],
+    ]
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
     with servers(logs) as start:
         wait_for_port(port, start(command, env))
@@ -67,8 +75,19 @@ def test_cli_over_connect_writes_what_a_classic_session_writes(spark, config, tm
     assert run_cli(config) == 0
     out = tmp_path / "connect"
     # spark.remote in the config; the config's own master and Spark settings do not get in the way.
-    result = cli("run", "--config", str(config), "--set", f"output.path={out}", "--set", "spark.master=local[2]",
-                 "--set", f"spark.remote={connect_url}", "--json", cwd=tmp_path)
+    result = cli(
+        "run",
+        "--config",
+        str(config),
+        "--set",
+        f"output.path={out}",
+        "--set",
+        "spark.master=local[2]",
+        "--set",
+        f"spark.remote={connect_url}",
+        "--json",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout)["n_labelled"] == MIXTURE["devices"] * MIXTURE["points_per_device"]
     expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
@@ -76,21 +95,51 @@ def test_cli_over_connect_writes_what_a_classic_session_writes(spark, config, tm
     assert (report_folder(out, "first") / "report.html").is_file()
 
     # SPARK_REMOTE in the environment, for assign, sql and report.
-    result = cli("assign", "--model-run", "first", "--config", str(config), "--set", f"output.path={out}",
-                 "--set", "run_id=again", "--quiet", remote=connect_url, cwd=tmp_path)
+    result = cli(
+        "assign",
+        "--model-run",
+        "first",
+        "--config",
+        str(config),
+        "--set",
+        f"output.path={out}",
+        "--set",
+        "run_id=again",
+        "--quiet",
+        remote=connect_url,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assigned = labels_of(spark, out, "again").select("row_id", "cluster_id").orderBy("row_id").collect()
     assert assigned == expected  # the same rows, labelled by the run's own model
-    result = cli("sql", "SELECT run_id, count(*) AS n FROM labels GROUP BY run_id ORDER BY run_id",
-                 "--output", str(out), remote=connect_url, cwd=tmp_path)
+    result = cli(
+        "sql",
+        "SELECT run_id, count(*) AS n FROM labels GROUP BY run_id ORDER BY run_id",
+        "--output",
+        str(out),
+        remote=connect_url,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["run_id", "n", "again", "6000", "first", "6000"]
     result = cli("report", "first", "--output", str(out), remote=connect_url, cwd=tmp_path)
     assert result.returncode == 0 and "silhouette" in result.stdout, result.stderr[-3000:]
 
     # stream: foreachBatch runs in the server's Python; the summary is read back from the tables.
-    result = cli("stream", "--available-now", "--model-run", "first", "--config", str(config), "--set",
-                 f"output.path={out}", "--json", "--quiet", remote=connect_url, cwd=tmp_path)
+    result = cli(
+        "stream",
+        "--available-now",
+        "--model-run",
+        "first",
+        "--config",
+        str(config),
+        "--set",
+        f"output.path={out}",
+        "--json",
+        "--quiet",
+        remote=connect_url,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout)
     assert (summary["batches"], summary["n_labelled"], summary["n_quarantined"]) == (1, 6000, 0)
@@ -99,15 +148,30 @@ def test_cli_over_connect_writes_what_a_classic_session_writes(spark, config, tm
 
     # Failures are one line, last: a missing input (found when Connect first analyses the plan: the same
     # user error, exit 2, as in a classic session), and a server that is not there (exit 1).
-    result = cli("run", "--config", str(config), "--set", f"output.path={out}", "--set", "input.path=/nonexistent",
-                 "--quiet", remote=connect_url, cwd=tmp_path)
+    result = cli(
+        "run",
+        "--config",
+        str(config),
+        "--set",
+        f"output.path={out}",
+        "--set",
+        "input.path=/nonexistent",
+        "--quiet",
+        remote=connect_url,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "kfed-spark: error: cannot read parquet input /nonexistent: [PATH_NOT_FOUND]")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("kfed-spark: error: cannot read parquet input /nonexistent: [PATH_NOT_FOUND]")
+    )
     nobody = f"sc://127.0.0.1:{free_port()}"
     result = cli("run", "--config", str(config), "--quiet", remote=nobody, cwd=tmp_path)
     assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (
-        1, f"kfed-spark: error: cannot reach the Spark Connect server at {nobody}: Connection refused")
+        1,
+        f"kfed-spark: error: cannot reach the Spark Connect server at {nobody}: Connection refused",
+    )
 
 
 ESTIMATOR_OVER_CONNECT = """
@@ -130,13 +194,26 @@ print(json.dumps(predictions["prediction"].tolist()))
 
 
 def test_estimator_over_connect_fits_transforms_saves_and_loads(spark, tmp_path, mixture_path, connect_url):
-    expected = by_row(mixture_estimator().fit(spark.read.parquet(mixture_path)).transform(spark.read.parquet(mixture_path)),
-                      "prediction")["prediction"].tolist()
+    expected = by_row(
+        mixture_estimator().fit(spark.read.parquet(mixture_path)).transform(spark.read.parquet(mixture_path)),
+        "prediction",
+    )["prediction"].tolist()
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYSPARK")}
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(ESTIMATOR_OVER_CONNECT), connect_url, mixture_path, str(tmp_path),
-         str(MIXTURE["k"]), str(MIXTURE["k_per_device"])],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(ESTIMATOR_OVER_CONNECT),
+            connect_url,
+            mixture_path,
+            str(tmp_path),
+            str(MIXTURE["k"]),
+            str(MIXTURE["k_per_device"]),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout) == expected

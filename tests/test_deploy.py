@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import MIXTURE, bare_environment, published
 from kfed_spark.cli import main
 from kfed_spark.session import delta_package
-
-from helpers import MIXTURE, bare_environment, published
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
@@ -21,16 +20,23 @@ def test_the_cli_started_by_its_absolute_path_needs_no_activated_environment(spa
     no numpy: local-mode workers must run the CLI's own interpreter, not `python3` from PATH."""
     env = bare_environment(tmp_path / "bare")  # asserts that its python3 has no numpy
     cli = Path(sys.executable).parent / "kfed-spark"
-    result = subprocess.run([str(cli), "run", "--config", str(config)], env=env, cwd=tmp_path, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [str(cli), "run", "--config", str(config)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert published(spark, tmp_path / "out", "labels").count() == MIXTURE["devices"] * MIXTURE["points_per_device"]
     # Delta's jars, resolved once (by the test session), are named directly: no Ivy report on every start.
     assert ":: retrieving ::" not in result.stderr and "Ivy Default Cache" not in result.stderr
 
     # --quiet: no stage lines, and the one-line error is the last line on stderr.
-    failed = subprocess.run([str(cli), "run", "--config", str(config), "--quiet", "--set", "input.truth_col=nope"],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    failed = subprocess.run(
+        [str(cli), "run", "--config", str(config), "--quiet", "--set", "input.truth_col=nope"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [line for line in failed.stderr.splitlines() if line.strip()]
     assert failed.returncode == 2 and lines[-1].startswith("kfed-spark: error: input has no truth column 'nope'")
     assert not [line for line in lines if " INFO kfed_spark" in line]
@@ -40,7 +46,10 @@ def test_run_prints_its_figures_as_json(spark, config, capsys):
     assert main(["run", "--config", str(config), "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert (figures["run_id"], figures["n_labelled"], figures["n_quarantined"]) == (
-        "first", MIXTURE["devices"] * MIXTURE["points_per_device"], 0)
+        "first",
+        MIXTURE["devices"] * MIXTURE["points_per_device"],
+        0,
+    )
     assert figures["attempt_id"] and figures["ari"] >= 0.95 and "labels" in figures["timings"]
 
 
@@ -51,8 +60,14 @@ def test_without_delta_on_the_classpath_the_last_line_says_so(config, tmp_path):
 
     not_delta = next((Path(_find_spark_home()) / "jars").glob("slf4j-api-*.jar"))
     cli = Path(sys.executable).parent / "kfed-spark"
-    result = subprocess.run([str(cli), "run", "--config", str(config), "--quiet"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "KFED_DELTA_JARS": str(not_delta)})
+    result = subprocess.run(
+        [str(cli), "run", "--config", str(config), "--quiet"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "KFED_DELTA_JARS": str(not_delta)},
+    )
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 1 and last.startswith("kfed-spark: error: Delta Lake is not on Spark's classpath")
     assert last.endswith(f"pass --packages {delta_package()}") and "Traceback" not in result.stderr
@@ -66,9 +81,25 @@ def test_the_local_template_runs_on_a_table_without_a_truth_column(spark, mixtur
     (tmp_path / "mine").mkdir()
     pq.write_table(table, tmp_path / "mine" / "part-0.parquet")
     template = Path(__file__).resolve().parents[1] / "conf" / "local.yaml"
-    assert main(["run", "--config", str(template), "--set", f"input.path={tmp_path / 'mine'}", "--set",
-                 f"output.path={tmp_path / 'out'}", "--set", f"k={MIXTURE['k']}", "--set",
-                 f"k_per_device={MIXTURE['k_per_device']}", "--json"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--config",
+                str(template),
+                "--set",
+                f"input.path={tmp_path / 'mine'}",
+                "--set",
+                f"output.path={tmp_path / 'out'}",
+                "--set",
+                f"k={MIXTURE['k']}",
+                "--set",
+                f"k_per_device={MIXTURE['k_per_device']}",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["n_labelled"] == table.num_rows
 
 
@@ -79,9 +110,25 @@ def test_a_failing_run_logs_no_progress_bar_to_a_file(mixture_path, tmp_path):
     cli = Path(sys.executable).parent / "kfed-spark"
     template = Path(__file__).resolve().parents[1] / "conf" / "local.yaml"
     with open(tmp_path / "stderr.log", "wb") as log_file:
-        failed = subprocess.run([str(cli), "run", "--config", str(template), "--set", f"input.path={mixture_path}",
-                                 "--set", "k=100000", "--set", "spark.conf.spark.sql.shuffle.partitions=2"],
-                                cwd=tmp_path / "bare", env=env, stdout=subprocess.DEVNULL, stderr=log_file, timeout=600)
+        failed = subprocess.run(
+            [
+                str(cli),
+                "run",
+                "--config",
+                str(template),
+                "--set",
+                f"input.path={mixture_path}",
+                "--set",
+                "k=100000",
+                "--set",
+                "spark.conf.spark.sql.shuffle.partitions=2",
+            ],
+            cwd=tmp_path / "bare",
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+            timeout=600,
+        )
     logged = (tmp_path / "stderr.log").read_bytes()
     assert failed.returncode == 2 and b"\r" not in logged and b"[Stage" not in logged
     assert logged.decode().rstrip("\n").splitlines()[-1].startswith("kfed-spark: error: k = 100000 is more than the ")

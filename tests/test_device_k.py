@@ -4,11 +4,10 @@ import numpy as np
 import pytest
 from pyspark.sql import functions as F
 
+from helpers import fitted_labels
+from kfed_spark.bench.synthetic import write_mixture
 from kfed_spark.cli import main
 from kfed_spark.metrics import adjusted_rand_index
-from kfed_spark.bench.synthetic import write_mixture
-
-from helpers import fitted_labels
 
 VARIED = dict(k=12, k_per_device=(1, 5), devices=40, points_per_device=150, dim=16, seed=5)
 
@@ -23,16 +22,19 @@ def varied_path(tmp_path_factory):
 
 def run_varied(varied_path, out, k_per_device, *extra):
     config = out.parent / "varied.yaml"
-    config.write_text(f"input: {{path: {varied_path}, truth_col: true_cluster}}\noutput: {{path: {out}}}\n"
-                      f"k: {VARIED['k']}\nrun_id: varied\n")
+    config.write_text(
+        f"input: {{path: {varied_path}, truth_col: true_cluster}}\noutput: {{path: {out}}}\n"
+        f"k: {VARIED['k']}\nrun_id: varied\n"
+    )
     settings = [f"k_per_device={k_per_device}", *extra]
     return main(["run", "--config", str(config), *[arg for item in settings for arg in ("--set", item)]])
 
 
 def local_counts_and_ari(spark, varied_path, k_per_device, **settings):
     """Through the fit layer: {device: (its local centers, the clusters it holds)} and the labels' ARI."""
-    clustering, labels = fitted_labels(spark.read.parquet(varied_path), k=VARIED["k"], k_per_device=k_per_device,
-                                       **settings)
+    clustering, labels = fitted_labels(
+        spark.read.parquet(varied_path), k=VARIED["k"], k_per_device=k_per_device, **settings
+    )
     devices, counts = np.unique(clustering.local.devices, return_counts=True)
     held = labels.groupby("device_id")["clusters_held"].first()
     found = {device: (count, held[device]) for device, count in zip(devices, counts)}
@@ -54,8 +56,13 @@ def test_a_column_of_the_input_gives_each_devices_k(spark, varied_path):
 
 def test_a_side_table_gives_each_devices_k(spark, varied_path, tmp_path):
     side = str(tmp_path / "device_k")
-    (spark.read.parquet(varied_path).groupBy("device_id").agg(F.max("clusters_held").alias("k"))
-     .write.format("delta").save(side))
+    (
+        spark.read.parquet(varied_path)
+        .groupBy("device_id")
+        .agg(F.max("clusters_held").alias("k"))
+        .write.format("delta")
+        .save(side)
+    )
     found, _ = local_counts_and_ari(spark, varied_path, side)
     assert all(used == held for used, held in found.values()), found
 

@@ -1,18 +1,17 @@
 """The distributed server step: each partition's representatives, merged on the driver, then every
 local center assigned in the executors; the same clusters as the driver's server step."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
+from helpers import MIXTURE, fitted_labels
 from kfed_spark.bench.synthetic import close_means_mixture
-from dataclasses import replace
-
 from kfed_spark.kernels import local_clusterings, nearest_center, representatives, server_step
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import feature_matrix
-
-from helpers import MIXTURE, fitted_labels
 
 
 def test_representatives_keep_the_weight_and_summarize_separated_groups():
@@ -39,8 +38,10 @@ def test_merging_each_partitions_representatives_costs_what_merging_all_local_ce
     table = close_means_mixture(seed=2, devices=120)
     params = AlgorithmParams(k=49, k_per_device=7)
     local = local_clusterings(feature_matrix(table.column("features")), table.column("device_id").to_numpy(), params)
-    parts = [representatives(x, w, params.k, np.random.default_rng(i)) for i, (x, w) in
-             enumerate(zip(np.array_split(local.centers, 4), np.array_split(local.counts.astype(float), 4)))]
+    parts = [
+        representatives(x, w, params.k, np.random.default_rng(i))
+        for i, (x, w) in enumerate(zip(np.array_split(local.centers, 4), np.array_split(local.counts.astype(float), 4)))
+    ]
     reps, weights = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     assert len(reps) <= 4 * params.k < len(local.centers)
     merged = server_step(reps, weights, np.arange(len(reps)), np.zeros(len(reps)), replace(params, robust_min_size=0))
@@ -69,8 +70,9 @@ def test_forced_distributed_server_step_clusters_as_the_driver_does(spark, mixtu
     caplog.set_level("INFO", logger="kfed_spark")
     for where in ("driver", "distributed"):
         caplog.clear()
-        clustering, labelled = fitted_labels(raw, server_step=where, server_representatives=1, local_partitions=4,
-                                             **settings)
+        clustering, labelled = fitted_labels(
+            raw, server_step=where, server_representatives=1, local_partitions=4, **settings
+        )
         ari[where] = adjusted_rand_index(labelled.true_cluster, labelled.cluster_id)
         assert len(clustering.local.counts) > 4 * settings["k"]
         assert f"server step ({where})" in caplog.text

@@ -7,11 +7,10 @@ import pytest
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.clustering import KMeans
 
+from helpers import MIXTURE, by_row, labels_of, mixture_estimator, published, run_cli, runs_of
 from kfed_spark.cli import main
 from kfed_spark.estimator import KFed, KFedModel
 from kfed_spark.metrics import adjusted_rand_index
-
-from helpers import MIXTURE, by_row, labels_of, mixture_estimator, published, run_cli, runs_of
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 
@@ -27,8 +26,13 @@ def test_shares_param_names_and_defaults_style_with_mllib_kmeans(spark):
     import subprocess
     import sys
 
-    other = subprocess.run([sys.executable, "-c", "from kfed_spark.estimator import KFed; print(KFed().getSeed())"],
-                           capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "7"})
+    other = subprocess.run(
+        [sys.executable, "-c", "from kfed_spark.estimator import KFed; print(KFed().getSeed())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "7"},
+    )
     assert KFed().getSeed() == int(other.stdout) == 0
 
 
@@ -65,7 +69,9 @@ def test_rows_of_new_devices_take_the_nearest_global_center_without_refitting(sp
     assert len(fresh) == 15 * MIXTURE["points_per_device"] and fresh.prediction.notna().all()
     assert fresh.local_prediction.isna().all() and known.local_prediction.notna().all()
     assert adjusted_rand_index(fresh.true_cluster, fresh.prediction) >= 0.95
-    np.testing.assert_array_equal(np.stack(model.clusterCenters()), np.stack(mixture_estimator().fit(train).clusterCenters()))
+    np.testing.assert_array_equal(
+        np.stack(model.clusterCenters()), np.stack(mixture_estimator().fit(train).clusterCenters())
+    )
 
 
 def test_save_load_and_pipeline_round_trip(spark, mixture_path, tmp_path):
@@ -143,8 +149,10 @@ def test_the_estimator_needs_neither_delta_spark_nor_the_job():
     import subprocess
     import sys
 
-    check = ("import sys; sys.modules['delta'] = None; import kfed_spark.estimator; "
-             "print(sorted(m for m in ('kfed_spark.job', 'kfed_spark.attempts', 'kfed_spark.bench') if m in sys.modules))")
+    check = (
+        "import sys; sys.modules['delta'] = None; import kfed_spark.estimator; "
+        "print(sorted(m for m in ('kfed_spark.job', 'kfed_spark.attempts', 'kfed_spark.bench') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
@@ -169,7 +177,7 @@ def test_a_reference_model_s_ids_and_the_optional_distance_and_margin(spark, mix
     assert "distance" not in first.transform(rows).columns  # optional, off by default
     scored = by_row(first.setDistanceCol("distance").setMarginCol("margin").transform(rows), "distance", "margin")
     assert (scored.distance >= 0).all() and scored.margin.between(-1, 1).all()
-    assert (scored.distance ** 2).sum() == pytest.approx(first.summary.trainingCost, rel=1e-9)
+    assert (scored.distance**2).sum() == pytest.approx(first.summary.trainingCost, rel=1e-9)
 
 
 def test_k_auto_and_a_sweep_of_a_fitted_model(spark, mixture_path, tmp_path):
@@ -181,10 +189,13 @@ def test_k_auto_and_a_sweep_of_a_fitted_model(spark, mixture_path, tmp_path):
     assert rows.count() == model.transform(rows).filter("prediction IS NOT NULL").count()
     # A model fitted with a given k sweeps its own local centers: the same local step, the same answer.
     swept = mixture_estimator().fit(rows).sweepK((3, 20))
+
     def figures(sweep):
         return [(f.k, f.sse, f.bic, f.silhouette, f.noise_ratio, f.stability) for f in sweep.figures]
 
     assert swept.recommended_k == MIXTURE["k"] and figures(swept) == figures(model.kSweep)
     kfed.write().overwrite().save(str(tmp_path / "estimator"))
     assert (KFed.load(str(tmp_path / "estimator")).getK(), KFed.load(str(tmp_path / "estimator")).getKRange()) == (
-        "auto", (3, 20))
+        "auto",
+        (3, 20),
+    )

@@ -2,8 +2,8 @@
 computing them over all rows at once, however the rows are split."""
 
 import numpy as np
-import pytest
 import pyarrow as pa
+import pytest
 
 from kfed_spark.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.kernels import LabelModel
@@ -20,13 +20,24 @@ def batch_of(devices, x, truth, reasons):
 
 def labelled_partitions(partitions, spec, model):
     """label_arrays over each partition (a list of batches), as the labelling UDF calls it."""
-    def arrays(batch):
-        return (pa.compute.is_null(batch.column("reason")), batch.column("device_id"), batch.column("features"),
-                batch.column("truth"))
 
-    return [pa.Table.from_batches([pa.RecordBatch.from_struct_array(out)
-                                   for out in label_arrays(map(arrays, batches), model, 2, evaluation=spec)])
-            for batches in partitions]
+    def arrays(batch):
+        return (
+            pa.compute.is_null(batch.column("reason")),
+            batch.column("device_id"),
+            batch.column("features"),
+            batch.column("truth"),
+        )
+
+    return [
+        pa.Table.from_batches(
+            [
+                pa.RecordBatch.from_struct_array(out)
+                for out in label_arrays(map(arrays, batches), model, 2, evaluation=spec)
+            ]
+        )
+        for batches in partitions
+    ]
 
 
 def test_figures_and_sample_do_not_depend_on_the_partitioning():
@@ -37,8 +48,14 @@ def test_figures_and_sample_do_not_depend_on_the_partitioning():
     x = rng.normal(size=(n, 2)) + truth[:, None] * 5.0
     truth_values = [None if i % 97 == 0 else f"class-{t}" for i, t in enumerate(truth)]
     reasons = [None if i % 50 else "null_features" for i in range(n)]
-    model = LabelModel.build(np.repeat(np.arange(4), 3), np.tile(np.arange(3), 4), np.tile([[0.0, 0], [5, 5], [10, 10]], (4, 1)),
-                             np.tile([0, 1, 2], 4), np.array([[0.0, 0], [5, 5], [10, 10]]), "induced")
+    model = LabelModel.build(
+        np.repeat(np.arange(4), 3),
+        np.tile(np.arange(3), 4),
+        np.tile([[0.0, 0], [5, 5], [10, 10]], (4, 1)),
+        np.tile([0, 1, 2], 4),
+        np.array([[0.0, 0], [5, 5], [10, 10]]),
+        "induced",
+    )
     spec = EvaluationSpec.of("truth", sample_rows=100, expected_rows=n, seed=7)
 
     def evaluation(bounds):
@@ -65,8 +82,9 @@ def test_figures_and_sample_do_not_depend_on_the_partitioning():
 
 
 def test_without_truth_or_sample_there_is_nothing_to_merge_but_counts():
-    model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0, 0.0]]), np.array([0]),
-                             np.array([[0.0, 0.0]]), "induced")
+    model = LabelModel.build(
+        np.array([1]), np.array([0]), np.array([[0.0, 0.0]]), np.array([0]), np.array([[0.0, 0.0]]), "induced"
+    )
     spec = EvaluationSpec.of(None, sample_rows=0, expected_rows=10, seed=0)
     [table] = labelled_partitions([[batch_of([1, 1], np.ones((2, 2)), [0, 0], [None, None])]], spec, model)
     merged = Evaluation.merge([b for b in table.column(EVALUATION_COL).to_pylist() if b], 0, 2)
@@ -75,8 +93,9 @@ def test_without_truth_or_sample_there_is_nothing_to_merge_but_counts():
 
 def test_a_sample_larger_than_the_rows_takes_every_row():
     spec = EvaluationSpec.of(None, sample_rows=100, expected_rows=10, seed=0)
-    model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0, 0.0]]), np.array([0]),
-                             np.array([[0.0, 0.0]]), "induced")
+    model = LabelModel.build(
+        np.array([1]), np.array([0]), np.array([[0.0, 0.0]]), np.array([0]), np.array([[0.0, 0.0]]), "induced"
+    )
     x = np.arange(20.0).reshape(10, 2)
     [table] = labelled_partitions([[batch_of([1] * 10, x, [0] * 10, [None] * 10)]], spec, model)
     merged = Evaluation.merge([b for b in table.column(EVALUATION_COL).to_pylist() if b], 100, 2)

@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pandas as pd
 
+from helpers import MIXTURE, published, report_folder, run_cli, runs_of
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.bench.synthetic import mixture, two_days
 from kfed_spark.cli import main
@@ -16,8 +17,6 @@ from kfed_spark.kernels import assigned_with_margin, local_clusterings, server_s
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import feature_matrix
-
-from helpers import MIXTURE, published, report_folder, run_cli, runs_of
 
 K = 20
 
@@ -28,10 +27,15 @@ def summary(table, params, initial=None) -> tuple[ClusterSummary, np.ndarray]:
     local = local_clusterings(x, devices, params)
     server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
     gap = x[:, None, :] - server.centers[None]
-    labels = np.argmin((gap ** 2).sum(axis=2), axis=1)
+    labels = np.argmin((gap**2).sum(axis=2), axis=1)
     sse = np.bincount(labels, weights=((x - server.centers[labels]) ** 2).sum(axis=1), minlength=params.k)
-    return ClusterSummary(np.arange(params.k), server.centers, np.bincount(labels, minlength=params.k), sse,
-                          np.ones(params.k, dtype=np.int64)), labels
+    return ClusterSummary(
+        np.arange(params.k),
+        server.centers,
+        np.bincount(labels, minlength=params.k),
+        sse,
+        np.ones(params.k, dtype=np.int64),
+    ), labels
 
 
 def test_matching_keeps_the_persistent_clusters_and_no_shift_or_scale_changes_it():
@@ -48,8 +52,10 @@ def test_matching_keeps_the_persistent_clusters_and_no_shift_or_scale_changes_it
     moved = np.nanargmax(matching.center_shift)
     assert matching.ids[moved] == id_of_truth_two[0]
     for scale, shift in ((1e-6, 0.0), (1.0, 1e9), (3.0, -7.0)):
+
         def moved_by(s: ClusterSummary) -> ClusterSummary:
-            return dataclasses.replace(s, centers=s.centers * scale + shift, sse=s.sse * scale ** 2)
+            return dataclasses.replace(s, centers=s.centers * scale + shift, sse=s.sse * scale**2)
+
         again = match_clusters(moved_by(after), moved_by(before), next_id=500)
         np.testing.assert_array_equal(again.ids, matching.ids)
         np.testing.assert_allclose(again.relative_shift, matching.relative_shift, rtol=1e-6)
@@ -91,7 +97,7 @@ def day_config(tmp_path, data):
     path = tmp_path / "kfed.yaml"
     path.write_text(f"""
 input: {{path: "{data}", format: parquet, truth_col: true_cluster}}
-output: {{path: "{tmp_path / 'out'}"}}
+output: {{path: "{tmp_path / "out"}"}}
 k: {K}
 k_per_device: 4
 seed: 5
@@ -142,8 +148,10 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     folder = report_folder(out, "day-2")
     since = json.loads((folder / "report.json").read_text())["since_reference"]
     assert (since["reference_run_id"], since["new"], since["retired"]) == ("day-1", [after[K]], [before[K - 1]])
-    assert since["largest_shift"]["cluster_id"] == after[0] and 'alt="since_reference"' in (
-        folder / "report.html").read_text()
+    assert (
+        since["largest_shift"]["cluster_id"] == after[0]
+        and 'alt="since_reference"' in (folder / "report.html").read_text()
+    )
     [row] = [r for r in runs_of(spark, out) if r.run_id == "day-2"]
     assert (row.identity_mode, row.reference_run_id, row.highest_cluster_id) == ("stable", "day-1", max(after.values()))
 
@@ -159,16 +167,16 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     distances[np.arange(len(ids)), [position[i] for i in ids]] = np.inf
     other = distances.min(axis=1)
     np.testing.assert_allclose(labels.column("distance").to_numpy(), own, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(labels.column("margin").to_numpy(), (other - own) / (other + own), rtol=1e-9,
-                               atol=1e-12)
+    np.testing.assert_allclose(labels.column("margin").to_numpy(), (other - own) / (other + own), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(np.sum(labels.column("distance").to_numpy() ** 2), row.cost, rtol=1e-9)
 
     # Day 2 again: the same ids. Unrelated data: every cluster is new.
     assert run_cli(config, "run_id=day-2", f"input.path={tmp_path / 'day2'}") == 0
     assert ids_by_truth(spark, out, "day-2") == after
     assert run_cli(config, "run_id=other", f"input.path={tmp_path / 'other'}") == 0
-    changes = sql("SELECT status, count(*) AS n FROM latest_cluster_changes GROUP BY status ORDER BY status", out,
-                  capsys)
+    changes = sql(
+        "SELECT status, count(*) AS n FROM latest_cluster_changes GROUP BY status ORDER BY status", out, capsys
+    )
     assert dict(zip(changes.status, changes.n.astype(int))) == {"new": K, "retired": K}
 
 
@@ -178,13 +186,22 @@ def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, 
     matches its clusters to the old run's, whose ids were 0..k-1."""
     out = tmp_path / "out"
     assert run_cli(config) == 0
-    for name, added in (("runs", ["identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id",
-                                  "k_range", "k_sweep"]),
-                        ("labels", ["distance", "margin"])):
+    for name, added in (
+        (
+            "runs",
+            ["identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id", "k_range", "k_sweep"],
+        ),
+        ("labels", ["distance", "margin"]),
+    ):
         older = spark.read.format("delta").load(str(out / name)).drop(*added).cache()
         older.count()
-        (older.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
-         .partitionBy("run_id", "attempt_id").save(str(out / name)))
+        (
+            older.write.format("delta")
+            .mode("overwrite")
+            .option("overwriteSchema", "true")
+            .partitionBy("run_id", "attempt_id")
+            .save(str(out / name))
+        )
         older.unpersist()
     shutil.rmtree(out / "cluster_changes")
     assert run_cli(config, "run_id=second") == 0

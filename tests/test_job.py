@@ -51,14 +51,32 @@ def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_
     n_rows = MIXTURE["devices"] * MIXTURE["points_per_device"]
     labels = labels_of(spark, out, "first")
     assert labels.count() == n_rows
-    assert set(labels.columns) == {"row_id", "device_id", "features", "true_cluster", "cluster_id",
-                                   "local_cluster_id", "distance", "margin", "run_id", "attempt_id"}
+    assert set(labels.columns) == {
+        "row_id",
+        "device_id",
+        "features",
+        "true_cluster",
+        "cluster_id",
+        "local_cluster_id",
+        "distance",
+        "margin",
+        "run_id",
+        "attempt_id",
+    }
     cells = labels.groupBy("true_cluster", "cluster_id").count().toPandas()
     assert adjusted_rand_index(cells.true_cluster, cells.cluster_id, cells["count"]) >= 0.95
-    stats = {name: spark.sql(f"SHOW TBLPROPERTIES delta.`{out / name}`").toPandas().set_index("key").value
-             .get("delta.dataSkippingStatsColumns") for name in ("labels", "quarantine", "centers")}
-    assert stats == {"labels": "`device_id`,`local_cluster_id`,`cluster_id`", "quarantine": "`device_id`,`reason`",
-                     "centers": None}
+    stats = {
+        name: spark.sql(f"SHOW TBLPROPERTIES delta.`{out / name}`")
+        .toPandas()
+        .set_index("key")
+        .value.get("delta.dataSkippingStatsColumns")
+        for name in ("labels", "quarantine", "centers")
+    }
+    assert stats == {
+        "labels": "`device_id`,`local_cluster_id`,`cluster_id`",
+        "quarantine": "`device_id`,`reason`",
+        "centers": None,
+    }
 
     run = runs_of(spark, out)
     assert len(run) == 1
@@ -99,8 +117,9 @@ def test_spark_job_equals_the_single_process_numpy_run(spark, config, tmp_path, 
     assert run_cli(config, f"label_mode={label_mode}", "server_refine=none") == 0
     table = pq.read_table(mixture_path)
     x = np.stack(table.column("features").to_numpy(zero_copy_only=False))
-    params = AlgorithmParams(k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"], seed=11, server_refine="none",
-                             label_mode=label_mode)
+    params = AlgorithmParams(
+        k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"], seed=11, server_refine="none", label_mode=label_mode
+    )
     reference = federated_kmeans(x, table.column("device_id").to_numpy(), params)
     got = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id", "local_cluster_id").toPandas()
     got = got.set_index("row_id").loc[table.column("row_id").to_numpy()]
@@ -108,10 +127,13 @@ def test_spark_job_equals_the_single_process_numpy_run(spark, config, tmp_path, 
     np.testing.assert_array_equal(got.local_cluster_id.to_numpy(), reference.local_labels)
 
 
-@pytest.mark.parametrize("settings", [
-    ("seeding=kmeanspp", "server_refine=lloyd", "server_step=driver", "label_mode=induced"),
-    ("seeding=farthest", "server_refine=none", "server_step=distributed", "label_mode=nearest"),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ("seeding=kmeanspp", "server_refine=lloyd", "server_step=driver", "label_mode=induced"),
+        ("seeding=farthest", "server_refine=none", "server_step=distributed", "label_mode=nearest"),
+    ],
+)
 def test_shifted_or_scaled_features_give_the_same_labels_and_relative_cost(spark, tmp_path, settings):
     """The job on one table as given, shifted by 1e6 and 1e9 and scaled by 1e-6: the same labels row for
     row and the same cost relative to each table's own spread. Between them the two settings take each
@@ -119,15 +141,28 @@ def test_shifted_or_scaled_features_give_the_same_labels_and_relative_cost(spark
     the kernels to the same."""
     table = synthetic.mixture(**FAR_MIXTURE)
     x = feature_matrix(table.column("features"))
-    tables = {"given": x, **{name.replace(" ", "_").replace("-", "m"): x * scale + shift
-                             for name, (scale, shift) in FEATURE_MOVES.items()}}
-    common = ["input.features_col=features", "input.truth_col=true_cluster", f"output.path={tmp_path / 'out'}",
-              f"k={FAR_MIXTURE['k']}", f"k_per_device={FAR_MIXTURE['k_per_device']}", "seed=4", *settings,
-              "identity.mode=fresh"]  # each table is far from the others: stable ids would make every cluster new
+    tables = {
+        "given": x,
+        **{
+            name.replace(" ", "_").replace("-", "m"): x * scale + shift
+            for name, (scale, shift) in FEATURE_MOVES.items()
+        },
+    }
+    common = [
+        "input.features_col=features",
+        "input.truth_col=true_cluster",
+        f"output.path={tmp_path / 'out'}",
+        f"k={FAR_MIXTURE['k']}",
+        f"k_per_device={FAR_MIXTURE['k_per_device']}",
+        "seed=4",
+        *settings,
+        "identity.mode=fresh",
+    ]  # each table is far from the others: stable ids would make every cluster new
     for run_id, features in tables.items():
         write_parquet_folder(table.set_column(2, "features", features_array(features)), tmp_path / run_id)
-        assert run_cli(write_empty_config(tmp_path), f"input.path={tmp_path / run_id}", f"run_id={run_id}",
-                       *common) == 0
+        assert (
+            run_cli(write_empty_config(tmp_path), f"input.path={tmp_path / run_id}", f"run_id={run_id}", *common) == 0
+        )
     runs = {run.run_id: run for run in runs_of(spark, tmp_path / "out")}
     given = by_row(labels_of(spark, tmp_path / "out", "given"), "cluster_id", "local_cluster_id")
     assert adjusted_rand_index(table.column("true_cluster").to_numpy(), given.cluster_id.to_numpy()) > 0.95
@@ -147,7 +182,10 @@ def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_p
     assert published(spark, out, "labels").count() == 2 * n_rows
     assert labels_of(spark, out, "first").select("row_id", "cluster_id").orderBy("row_id").collect() == first
     assert [(r.run_id, r.status) for r in runs_of(spark, out)] == [
-        ("first", "superseded"), ("first", "succeeded"), ("second", "succeeded")]
+        ("first", "superseded"),
+        ("first", "succeeded"),
+        ("second", "succeeded"),
+    ]
     history = spark.sql(f"DESCRIBE HISTORY delta.`{out / 'labels'}`").collect()
     operations = [h.operation for h in reversed(history)]
     assert operations[0] == "CREATE TABLE AS SELECT" and operations.count("WRITE") == 3  # three attempts
@@ -165,7 +203,8 @@ def test_an_output_location_of_the_previous_version_gains_the_new_table_and_colu
     runs_path = str(out / "runs")
     older = spark.read.format("delta").load(runs_path).drop("local_restarts", "robust_min_size")
     older.write.format("delta").mode("overwrite").option("overwriteSchema", "true").partitionBy(
-        "run_id", "attempt_id").save(runs_path)
+        "run_id", "attempt_id"
+    ).save(runs_path)
     shutil.rmtree(out / "device_clusters")
     assert run_cli(config, "run_id=second") == 0
     rows = {r.run_id: r for r in runs_of(spark, out)}
@@ -179,13 +218,16 @@ def test_vector_and_column_list_features_give_the_same_clustering(spark, tmp_pat
     """Through the fit layer (no table written); the CSV is read by the job's own reader."""
     source = spark.read.parquet(mixture_path)
     columns = [f"x{i}" for i in range(MIXTURE["dim"])]
-    source.select("row_id", "device_id", *[F.col("features")[i].alias(c) for i, c in enumerate(columns)]) \
-        .write.option("header", "true").csv(str(tmp_path / "csv"))
+    source.select("row_id", "device_id", *[F.col("features")[i].alias(c) for i, c in enumerate(columns)]).write.option(
+        "header", "true"
+    ).csv(str(tmp_path / "csv"))
     from_csv = read_input(spark, InputConfig(path=str(tmp_path / "csv"), format="csv"))
     settings = dict(k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"], seed=11)
     expected = fitted_labels(source, **settings)[1].set_index("row_id").cluster_id.sort_index()
-    for frame, features in ((source.withColumn("features", array_to_vector("features")), "features"),
-                            (from_csv, columns)):
+    for frame, features in (
+        (source.withColumn("features", array_to_vector("features")), "features"),
+        (from_csv, columns),
+    ):
         got = fitted_labels(frame, {"features_col": features}, **settings)[1].set_index("row_id").cluster_id
         assert got.sort_index().equals(expected), features
 
@@ -195,8 +237,12 @@ def test_the_labelling_pass_sends_only_the_device_and_the_features_to_python(spa
     columns stay in the JVM and come out unchanged."""
     raw = spark.read.parquet(mixture_path).withColumn("note", F.concat(F.lit("row "), F.col("row_id").cast("string")))
     clustering, labelled = fitted_labels(raw, k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"])
-    plan = label_rows(clustering.checked, clustering.model, raw.schema, "device_id", clustering.dim) \
-        ._jdf.queryExecution().executedPlan().toString()
+    plan = (
+        label_rows(clustering.checked, clustering.model, raw.schema, "device_id", clustering.dim)
+        ._jdf.queryExecution()
+        .executedPlan()
+        .toString()
+    )
     python_nodes = [line for line in plan.splitlines() if "Python" in line or "Arrow" in line]
     assert len(python_nodes) == 1 and "ArrowEvalPython" in python_nodes[0], plan
     udf_arguments = re.search(r"\[label_partition\((.*?)\)#", python_nodes[0]).group(1)
@@ -213,18 +259,48 @@ def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(sp
 
     from kfed_spark.estimator import KFed
 
-    rows = [(1, "a", Vectors.dense([0.0, 0.0])), (2, "a", Vectors.dense([9.0, 9.0])),
-            (3, "b", Vectors.dense([0.1, 0.0])), (4, "b", Vectors.dense([9.0, 9.1])), (5, "a", None),
-            (6, "b", Vectors.dense([1.0])), (7, "a", Vectors.dense([float("nan"), 0.0]))]
-    schema = StructType([StructField("row_id", LongType()), StructField("device_id", StringType()),
-                         StructField("features", VectorUDT())])
+    rows = [
+        (1, "a", Vectors.dense([0.0, 0.0])),
+        (2, "a", Vectors.dense([9.0, 9.0])),
+        (3, "b", Vectors.dense([0.1, 0.0])),
+        (4, "b", Vectors.dense([9.0, 9.1])),
+        (5, "a", None),
+        (6, "b", Vectors.dense([1.0])),
+        (7, "a", Vectors.dense([float("nan"), 0.0])),
+    ]
+    schema = StructType(
+        [
+            StructField("row_id", LongType()),
+            StructField("device_id", StringType()),
+            StructField("features", VectorUDT()),
+        ]
+    )
     frame = spark.createDataFrame(rows, schema)
     frame.write.parquet(str(tmp_path / "vectors"))
-    assert main(["run", "--config", str(write_empty_config(tmp_path)), "--set", f"input.path={tmp_path / 'vectors'}",
-                 "--set", f"output.path={tmp_path / 'out'}", "--set", "k=2", "--set", "run_id=v"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--config",
+                str(write_empty_config(tmp_path)),
+                "--set",
+                f"input.path={tmp_path / 'vectors'}",
+                "--set",
+                f"output.path={tmp_path / 'out'}",
+                "--set",
+                "k=2",
+                "--set",
+                "run_id=v",
+            ]
+        )
+        == 0
+    )
     quarantine = published(spark, tmp_path / "out", "quarantine").toPandas()
     assert dict(zip(quarantine.row_id, quarantine.reason)) == {
-        5: "null_features", 6: "wrong_dimension (expected 2)", 7: "non_finite_value"}
+        5: "null_features",
+        6: "wrong_dimension (expected 2)",
+        7: "non_finite_value",
+    }
     assert sorted(published(spark, tmp_path / "out", "labels").toPandas().row_id) == [1, 2, 3, 4]
     # Every table opens without Spark (delta-rs refuses Spark's vector type), the vectors as lists of doubles.
     given = {row_id: None if vector is None else vector.toArray().tolist() for row_id, _, vector in rows}
@@ -235,27 +311,61 @@ def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(sp
             assert table.schema.field("features").type.value_type == pa.float64(), name
             got = dict(zip(table.column("row_id").to_pylist(), table.column("features").to_pylist()))
             assert str(got) == str({row_id: given[row_id] for row_id in got}), name  # str: nan equals nan
-    assert "Spark ML vector" in spark.sql(f"DESCRIBE delta.`{tmp_path / 'out' / 'labels'}`").filter(
-        "col_name = 'features'").first().comment
+    assert (
+        "Spark ML vector"
+        in spark.sql(f"DESCRIBE delta.`{tmp_path / 'out' / 'labels'}`").filter("col_name = 'features'").first().comment
+    )
     predicted = KFed(k=2, kPerDevice=2, seed=0).fit(frame).transform(frame).toPandas().set_index("row_id")
     assert predicted.prediction[[5, 6, 7]].isna().all() and predicted.prediction[[1, 2, 3, 4]].notna().all()
 
 
 def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
     rows = [
-        (1, "a", [0.0, 0.0]), (2, "a", [0.1, 0.0]), (3, "a", [9.0, 9.0]), (4, "b", [9.1, 9.0]),
-        (5, "b", [0.0, 0.2]), (6, None, [1.0, 1.0]), (7, "b", None), (8, "b", [1.0]),
-        (9, "a", [float("nan"), 1.0]), (10, "b", [float("inf"), 1.0]), (11, "a", []),
+        (1, "a", [0.0, 0.0]),
+        (2, "a", [0.1, 0.0]),
+        (3, "a", [9.0, 9.0]),
+        (4, "b", [9.1, 9.0]),
+        (5, "b", [0.0, 0.2]),
+        (6, None, [1.0, 1.0]),
+        (7, "b", None),
+        (8, "b", [1.0]),
+        (9, "a", [float("nan"), 1.0]),
+        (10, "b", [float("inf"), 1.0]),
+        (11, "a", []),
     ]
     spark.createDataFrame(rows, "row_id long, device_id string, features array<double>").write.parquet(
-        str(tmp_path / "dirty"))
-    assert main(["run", "--set", f"input.path={tmp_path / 'dirty'}", "--set", f"output.path={tmp_path / 'out'}",
-                 "--set", "k=2", "--set", "k_per_device=2", "--set", "run_id=dirty",
-                 "--config", str(write_empty_config(tmp_path))]) == 0
+        str(tmp_path / "dirty")
+    )
+    assert (
+        main(
+            [
+                "run",
+                "--set",
+                f"input.path={tmp_path / 'dirty'}",
+                "--set",
+                f"output.path={tmp_path / 'out'}",
+                "--set",
+                "k=2",
+                "--set",
+                "k_per_device=2",
+                "--set",
+                "run_id=dirty",
+                "--config",
+                str(write_empty_config(tmp_path)),
+            ]
+        )
+        == 0
+    )
     quarantine = published(spark, tmp_path / "out", "quarantine").toPandas()
     reasons = dict(zip(quarantine.row_id, quarantine.reason))
-    assert reasons == {6: "null_device", 7: "null_features", 8: "wrong_dimension (expected 2)",
-                       9: "non_finite_value", 10: "non_finite_value", 11: "empty_features"}
+    assert reasons == {
+        6: "null_device",
+        7: "null_features",
+        8: "wrong_dimension (expected 2)",
+        9: "non_finite_value",
+        10: "non_finite_value",
+        11: "empty_features",
+    }
     labels = published(spark, tmp_path / "out", "labels").toPandas()
     assert sorted(labels.row_id) == [1, 2, 3, 4, 5]
     assert labels.set_index("row_id").cluster_id[1] != labels.set_index("row_id").cluster_id[3]
@@ -267,11 +377,17 @@ def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
     "overrides, message",
     [
         (["input.path=/nonexistent/kfed"], "cannot read parquet input /nonexistent/kfed: [PATH_NOT_FOUND]"),
-        (["input.path=null", "input.table=nowhere.devices"], "cannot read table nowhere.devices: [TABLE_OR_VIEW_NOT_FOUND]"),
+        (
+            ["input.path=null", "input.table=nowhere.devices"],
+            "cannot read table nowhere.devices: [TABLE_OR_VIEW_NOT_FOUND]",
+        ),
         (["input.device_col=writer"], "input has no device column 'writer'"),
         (["input.features_col=pixels"], "input has no feature column(s) 'pixels'"),
         (["input.features_col=device_id"], "feature column 'device_id' has type bigint"),
-        (["k=9000", "k_per_device=3"], "k = 9000 is more than the 180 distinct local centers the devices provide; lower k or raise k_per_device"),
+        (
+            ["k=9000", "k_per_device=3"],
+            "k = 9000 is more than the 180 distinct local centers the devices provide; lower k or raise k_per_device",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_error(spark, config, capsys, overrides, message):
@@ -284,10 +400,14 @@ def test_bad_input_gives_one_line_error(spark, config, capsys, overrides, messag
 def test_bad_config_exits_non_zero_with_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "kfed_spark.cli", "run", "--config", str(tmp_path / "nope.yaml")],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"kfed-spark: error: cannot read config file {tmp_path / 'nope.yaml'}: No such file or directory"]
+    assert result.stderr.strip().splitlines() == [
+        f"kfed-spark: error: cannot read config file {tmp_path / 'nope.yaml'}: No such file or directory"
+    ]
 
 
 @pytest.mark.integration  # spark-submit
@@ -300,11 +420,28 @@ def test_spark_submit_job_matches_the_cli(spark, config, tmp_path):
     assert run_cli(config) == 0
     submit = Path(_find_spark_home()) / "bin" / "spark-submit"
     result = subprocess.run(
-        [str(submit), "--master", "local[2]", "--packages", delta_package(), "--conf", "spark.ui.enabled=false",
-         "--conf", "spark.databricks.delta.snapshotPartitions=2", "--conf", "spark.sql.shuffle.partitions=2",
-         str(ROOT / "jobs" / "kfed_job.py"), "--config", str(config),
-         "--set", f"output.path={tmp_path / 'submitted'}"],
-        capture_output=True, text=True, check=False, timeout=600,
+        [
+            str(submit),
+            "--master",
+            "local[2]",
+            "--packages",
+            delta_package(),
+            "--conf",
+            "spark.ui.enabled=false",
+            "--conf",
+            "spark.databricks.delta.snapshotPartitions=2",
+            "--conf",
+            "spark.sql.shuffle.partitions=2",
+            str(ROOT / "jobs" / "kfed_job.py"),
+            "--config",
+            str(config),
+            "--set",
+            f"output.path={tmp_path / 'submitted'}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
@@ -323,8 +460,16 @@ def test_labels_read_without_spark(published_run):
 def test_catalog_table_in_and_registered_tables_out(spark, config, tmp_path, mixture_path):
     spark.sql("CREATE DATABASE IF NOT EXISTS kfed_source")
     spark.read.parquet(mixture_path).write.format("delta").saveAsTable("kfed_source.devices")
-    assert run_cli(config, "input.path=null", "input.table=kfed_source.devices", "output.database=kfed_test",
-                   f"output.path={tmp_path / 'catalogued'}") == 0
+    assert (
+        run_cli(
+            config,
+            "input.path=null",
+            "input.table=kfed_source.devices",
+            "output.database=kfed_test",
+            f"output.path={tmp_path / 'catalogued'}",
+        )
+        == 0
+    )
     sizes = spark.sql(
         "SELECT cluster_id, count(*) AS n FROM kfed_test.labels WHERE run_id = 'first' GROUP BY cluster_id"
     ).collect()
@@ -341,11 +486,19 @@ def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(s
     truth = np.where(devices == 0, rng.integers(0, 2, len(devices)), 2 + rng.integers(0, 2, len(devices)))
     x = means[truth] + rng.standard_normal((len(devices), 2))
     rows = [(i, int(d), xs.tolist(), int(t)) for i, (d, xs, t) in enumerate(zip(devices, x, truth))]
-    spark.createDataFrame(rows, "row_id long, device_id long, features array<double>, true_cluster int") \
-        .write.parquet(str(tmp_path / "skewed"))
+    spark.createDataFrame(rows, "row_id long, device_id long, features array<double>, true_cluster int").write.parquet(
+        str(tmp_path / "skewed")
+    )
     args = ["run", "--config", str(write_empty_config(tmp_path))]
-    for item in [f"input.path={tmp_path / 'skewed'}", f"output.path={tmp_path / 'out'}", "k=4", "k_per_device=2",
-                 "max_rows_per_device=150", "run_id=skew", "input.truth_col=true_cluster"]:
+    for item in [
+        f"input.path={tmp_path / 'skewed'}",
+        f"output.path={tmp_path / 'out'}",
+        "k=4",
+        "k_per_device=2",
+        "max_rows_per_device=150",
+        "run_id=skew",
+        "input.truth_col=true_cluster",
+    ]:
         args += ["--set", item]
     assert main(args) == 0
     run = runs_of(spark, tmp_path / "out")[0]
@@ -358,7 +511,10 @@ def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(s
 def test_relative_output_path_is_taken_from_the_working_directory(spark, config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run_cli(config, "output.path=relative-out") == 0
-    assert labels_of(spark, tmp_path / "relative-out", "first").count() == MIXTURE["devices"] * MIXTURE["points_per_device"]
+    assert (
+        labels_of(spark, tmp_path / "relative-out", "first").count()
+        == MIXTURE["devices"] * MIXTURE["points_per_device"]
+    )
 
 
 def test_the_readme_demo_clusters_the_mixture_and_leaves_tables_and_a_report(spark, tmp_path, capsys):
@@ -377,10 +533,26 @@ def test_a_run_with_truth_and_report_reads_its_input_in_three_stages(config, tmp
     events = tmp_path / "events"
     events.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "kfed_spark.cli", "run", "--config", str(config), "--set", "report=true",
-         "--set", "spark.conf.spark.eventLog.enabled=true", "--set", "spark.conf.spark.eventLog.compress=false",
-         "--set", f"spark.conf.spark.eventLog.dir={events.as_uri()}"],
-        capture_output=True, text=True, check=False, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "kfed_spark.cli",
+            "run",
+            "--config",
+            str(config),
+            "--set",
+            "report=true",
+            "--set",
+            "spark.conf.spark.eventLog.enabled=true",
+            "--set",
+            "spark.conf.spark.eventLog.compress=false",
+            "--set",
+            f"spark.conf.spark.eventLog.dir={events.as_uri()}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     read_by_stage = {}

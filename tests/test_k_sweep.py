@@ -16,8 +16,11 @@ pytestmark = pytest.mark.fast
 
 
 def rows_of(table):
-    return (feature_matrix(table.column("features")), table.column("device_id").to_numpy(),
-            table.column("true_cluster").to_numpy())
+    return (
+        feature_matrix(table.column("features")),
+        table.column("device_id").to_numpy(),
+        table.column("true_cluster").to_numpy(),
+    )
 
 
 def swept(x, devices, k_per_device, ks, **settings):

@@ -5,6 +5,7 @@ import pytest
 from sklearn.metrics import adjusted_rand_score
 
 from kfed_spark import kernels
+from kfed_spark.bench.synthetic import close_means_mixture
 from kfed_spark.kernels import (
     device_rng,
     estimate_local_k,
@@ -19,7 +20,6 @@ from kfed_spark.kernels import (
     server_step,
     squared_distances,
 )
-from kfed_spark.bench.synthetic import close_means_mixture
 from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import feature_matrix
@@ -148,8 +148,9 @@ def test_restarts_side_by_side_choose_what_one_after_the_other_does(rows, k, res
 def test_rough_clusterings_of_rows_that_run_out_of_distinct_points_fall_back_to_one_by_one():
     x = np.repeat(np.array([[0.0, 0.0], [5.0, 5.0]]), 20, axis=0)  # two distinct points for k = 3
     assert kernels._batched_rough_clusterings(x - 2.5, np.ones(40), 3, 2, device_rng(0, 0)) is None
-    np.testing.assert_array_equal(np.sort(kernels.rough_centers(x, np.ones(40), 3, 2, device_rng(0, 0)), axis=0),
-                                  [[0.0, 0.0], [5.0, 5.0]])
+    np.testing.assert_array_equal(
+        np.sort(kernels.rough_centers(x, np.ones(40), 3, 2, device_rng(0, 0)), axis=0), [[0.0, 0.0], [5.0, 5.0]]
+    )
 
 
 @pytest.mark.parametrize("device", [2, 8])
@@ -164,8 +165,10 @@ def test_local_restarts_keep_the_cheapest_rough_clustering_and_split_merged_clos
         result = local_step(x, 7, device_rng(0, device), AlgorithmParams(local_restarts=restarts))
         ari[restarts] = adjusted_rand_index(truth, nearest_center(x, result.centers)[0])
     assert ari[1] < 0.9 and ari[3] > 0.99
-    costs = [nearest_center(x, kernels.rough_centers(x, np.ones(len(x)), 7, restarts, device_rng(0, device)))[1].sum()
-             for restarts in (1, 3, 10)]
+    costs = [
+        nearest_center(x, kernels.rough_centers(x, np.ones(len(x)), 7, restarts, device_rng(0, device)))[1].sum()
+        for restarts in (1, 3, 10)
+    ]
     assert costs[0] >= costs[1] >= costs[2]  # the first draws are shared: more restarts never cost more
 
 
@@ -190,7 +193,9 @@ def test_server_seeds_from_the_device_with_most_centers_then_farthest_points():
     centers = rng.normal(size=(9, 3))
     devices = np.array([4, 4, 2, 2, 2, 7, 7, 7, 9])
     local_ids = np.array([0, 1, 0, 1, 2, 0, 1, 2, 0])
-    result = server_step(centers, np.ones(9), devices, local_ids, AlgorithmParams(k=5, seeding="farthest", server_refine="none"))
+    result = server_step(
+        centers, np.ones(9), devices, local_ids, AlgorithmParams(k=5, seeding="farthest", server_refine="none")
+    )
     assert result.seed_device == 2  # devices 2 and 7 have 3 centers; 2 is the smaller id
     np.testing.assert_array_equal(result.centers, farthest_first_reference(centers, [2, 3, 4], 5))
 
@@ -210,8 +215,9 @@ def test_server_step_does_not_depend_on_device_order():
 
 def test_server_refinement_weights_local_centers_by_point_count():
     centers = np.array([[0.0], [1.0], [10.0]])
-    result = server_step(centers, np.array([100, 1, 1]), np.array([0, 1, 2]), np.zeros(3),
-                         AlgorithmParams(k=2, server_refine="lloyd"))
+    result = server_step(
+        centers, np.array([100, 1, 1]), np.array([0, 1, 2]), np.zeros(3), AlgorithmParams(k=2, server_refine="lloyd")
+    )
     np.testing.assert_allclose(np.sort(result.centers[:, 0]), [1.0 / 101.0, 10.0])
     np.testing.assert_array_equal(result.assignment[0], result.assignment[1])
 
@@ -232,16 +238,25 @@ def test_server_step_rejects_k_above_distinct_local_centers(seeding):
     assert len(np.unique(far, axis=0)) == 5
     with pytest.raises(ValueError, match="k = 6 is more than the 5 distinct local centers"):
         server_step(far, np.ones(10), np.arange(10), np.zeros(10), AlgorithmParams(k=6, seeding=seeding))
-    assert len(np.unique(server_step(far, np.ones(10), np.arange(10), np.zeros(10),
-                                     AlgorithmParams(k=5, seeding=seeding)).assignment)) == 5
+    assert (
+        len(
+            np.unique(
+                server_step(
+                    far, np.ones(10), np.arange(10), np.zeros(10), AlgorithmParams(k=5, seeding=seeding)
+                ).assignment
+            )
+        )
+        == 5
+    )
 
 
 def test_pruned_farthest_point_search_equals_the_plain_one():
     rng = np.random.default_rng(11)
     x, _ = blobs(rng, rng.normal(0, 20, size=(80, 6)), 4000)
     devices, local_ids = np.arange(len(x)) // 4, np.arange(len(x)) % 4
-    result = server_step(x, np.ones(len(x)), devices, local_ids, AlgorithmParams(k=120, seeding="farthest",
-                                                                                 server_refine="none"))
+    result = server_step(
+        x, np.ones(len(x)), devices, local_ids, AlgorithmParams(k=120, seeding="farthest", server_refine="none")
+    )
     np.testing.assert_array_equal(result.centers, farthest_first_reference(x, [0, 1, 2, 3], 120))
 
 
@@ -266,8 +281,9 @@ def test_the_outlier_filter_ignores_small_outlying_centers_that_seeding_picks(se
     assert adjusted_rand_index(truth, filtered.assignment[inliers]) == pytest.approx(1.0)
     assert len(filtered.assignment) == len(centers)  # the small centers are still assigned
     if seeding == "farthest":  # unfiltered, each far one-point center becomes a seed
-        unfiltered = server_step(centers, counts, devices, local_ids,
-                                 AlgorithmParams(k=6, seeding=seeding, robust_min_size=0))
+        unfiltered = server_step(
+            centers, counts, devices, local_ids, AlgorithmParams(k=6, seeding=seeding, robust_min_size=0)
+        )
         assert adjusted_rand_index(truth, unfiltered.assignment[inliers]) < 0.8
 
 

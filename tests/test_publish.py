@@ -62,8 +62,13 @@ def what_readers_see(spark, out, run_id="first"):
     seen = {}
     views = tables.register_views()
     for name in (*DATA_TABLES, "latest_labels"):
-        rows = [] if name not in views else spark.sql(
-            f"SELECT attempt_id, count(*) AS n FROM {name} WHERE run_id = '{run_id}' GROUP BY attempt_id").collect()
+        rows = (
+            []
+            if name not in views
+            else spark.sql(
+                f"SELECT attempt_id, count(*) AS n FROM {name} WHERE run_id = '{run_id}' GROUP BY attempt_id"
+            ).collect()
+        )
         seen[name] = {row.attempt_id: row.n for row in rows}
     try:
         seen["report"] = json.loads(tables.read_report(run_id))["attempt_id"]
@@ -85,8 +90,7 @@ def assert_whole(seen, attempt, k, latest=True):
     """Every read path shows the whole of `attempt` (k clusters), or nothing when attempt is None;
     latest_labels shows it too when its run is the newest."""
     if attempt is None:
-        assert seen == {name: {} for name in (*DATA_TABLES, "latest_labels")} | {
-            "report": None, "duckdb": {}}
+        assert seen == {name: {} for name in (*DATA_TABLES, "latest_labels")} | {"report": None, "duckdb": {}}
         return
     for name in ("labels", "latest_labels", "duckdb") if latest else ("labels", "duckdb"):
         assert seen[name] == {attempt: N_ROWS}, name
@@ -104,8 +108,9 @@ def published_attempt(spark, out, run_id="first"):
 
 
 def raw_attempts(spark, out, name="labels"):
-    return {r.attempt_id for r in spark.read.format("delta").load(str(out / name)).select("attempt_id").distinct()
-            .collect()}
+    return {
+        r.attempt_id for r in spark.read.format("delta").load(str(out / name)).select("attempt_id").distinct().collect()
+    }
 
 
 @pytest.mark.parametrize("rerun", [False, True], ids=["first_run", "rerun"])
@@ -131,8 +136,10 @@ def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, conf
             assert killed is None  # killed before its running row
         else:
             assert [r.status for r in runs_of(spark, out) if r.attempt_id == killed] == ["running"]
-    print(f"\nkilled at {point} ({'re-run' if rerun else 'first run'}): readers saw "
-          f"{'the killed attempt' if seen['report'] == killed and killed else 'the earlier attempt' if old else 'nothing'}")
+    print(
+        f"\nkilled at {point} ({'re-run' if rerun else 'first run'}): readers saw "
+        + ("the killed attempt" if seen["report"] == killed and killed else "the earlier attempt" if old else "nothing")
+    )
 
     # The next maintenance (or run) finds the process gone and removes what the attempt left.
     assert main(["maintain", "--output", str(out)]) == 0
@@ -143,8 +150,11 @@ def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, conf
             assert statuses[old] == ("superseded", True) and old not in raw_attempts(spark, out)
     elif killed:
         assert statuses[killed] == ("abandoned", True) and killed not in raw_attempts(spark, out)
-    assert_whole(what_readers_see(spark, out), killed if point == "published" else old,
-                 6 if point == "published" else MIXTURE["k"])
+    assert_whole(
+        what_readers_see(spark, out),
+        killed if point == "published" else old,
+        6 if point == "published" else MIXTURE["k"],
+    )
 
 
 def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see(spark, config, tmp_path):
@@ -244,5 +254,9 @@ def test_two_first_runs_with_other_run_ids_into_an_empty_location_both_succeed(s
     out = tmp_path / "out"
     newest = max((r for r in runs_of(spark, out)), key=lambda r: r.finished_at).run_id
     for run_id in ("one", "two"):
-        assert_whole(what_readers_see(spark, out, run_id), published_attempt(spark, out, run_id), MIXTURE["k"],
-                     latest=run_id == newest)
+        assert_whole(
+            what_readers_see(spark, out, run_id),
+            published_attempt(spark, out, run_id),
+            MIXTURE["k"],
+            latest=run_id == newest,
+        )

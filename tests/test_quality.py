@@ -2,10 +2,9 @@
 
 import json
 
+from helpers import needs_shared_data
 from kfed_spark.bench.quality import WARM_START
 from kfed_spark.cli import main
-
-from helpers import needs_shared_data
 
 
 def bench_quality_rows(out, datasets):
@@ -22,7 +21,9 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
     assert sum(1 for row in rows if row["dataset"] == "mixture") == 28  # 24 combinations, auto, warm, MLlib, sklearn
     for row in rows:
         assert -1.0 <= row["ari"] <= 1.0 and 0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0
-    outliers = {row["method"]: row for row in rows if row["dataset"] == "mixture-outliers" and row["k_per_device"] == "4"}
+    outliers = {
+        row["method"]: row for row in rows if row["dataset"] == "mixture-outliers" and row["k_per_device"] == "4"
+    }
     # Outlier devices take farthest-point seeds; the filter leaves them out, with either seeding rule.
     for rule in ("farthest", "kmeanspp"):
         assert outliers[f"k-FED restarts=1 filter=0.25 seeding={rule} labels=induced"]["ari"] >= 0.95

@@ -8,11 +8,10 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
+from helpers import MIXTURE, needs_shared_data, published, report_folder, runs_of
+from kfed_spark.bench.datasets import hashed_ngram_tfidf, load
 from kfed_spark.cli import main
 from kfed_spark.faults import FAULT_ENV
-from kfed_spark.bench.datasets import hashed_ngram_tfidf, load
-
-from helpers import MIXTURE, needs_shared_data, published, report_folder, runs_of
 
 
 class PageParser(HTMLParser):
@@ -77,8 +76,7 @@ def test_report_can_be_turned_off(config, tmp_path):
     assert not (tmp_path / "out" / "reports").exists()
 
 
-def test_a_failed_report_fails_the_attempt_and_a_failed_attempt_leaves_no_report(config, tmp_path, monkeypatch,
-                                                                                   capsys):
+def test_a_failed_report_fails_the_attempt_and_a_failed_attempt_leaves_no_report(config, tmp_path, monkeypatch, capsys):
     """The report is written before the publish commit: a failure there (or later, before the
     publish) fails the attempt, deletes its report and publishes nothing; the earlier report stays."""
     out = tmp_path / "out"
@@ -101,8 +99,7 @@ def test_real_datasets_load_as_device_tables():
     assert len(np.unique(devices)) == 8 and len(mnist.column("features")[0]) == 784
     for device in np.unique(devices):
         assert len(np.unique(rotation[devices == device])) == 1  # one rotation per device
-    assert np.array_equal(mnist.column("true_cluster").to_numpy(),
-                          10 * rotation + mnist.column("digit").to_numpy())
+    assert np.array_equal(mnist.column("true_cluster").to_numpy(), 10 * rotation + mnist.column("digit").to_numpy())
     femnist = load("femnist", max_devices=3)
     pixels = np.asarray(femnist.column("features")[0].as_py())
     assert len(set(femnist.column("device_id").to_pylist())) == 3
@@ -118,4 +115,6 @@ def test_hashed_ngram_tfidf_rows_are_unit_length_and_stable():
     np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0)
     np.testing.assert_allclose(x[0], x[1])  # case does not matter
     assert not np.allclose(x[0], x[2])
-    np.testing.assert_array_equal(x, hashed_ngram_tfidf(["To be or not to be", "to be or not TO BE", "Now is the winter"], buckets=64))
+    np.testing.assert_array_equal(
+        x, hashed_ngram_tfidf(["To be or not to be", "to be or not TO BE", "Now is the winter"], buckets=64)
+    )

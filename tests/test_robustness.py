@@ -3,13 +3,12 @@
 import numpy as np
 import pytest
 
+from helpers import FAR_MIXTURE, FEATURE_MOVES, spread
 from kfed_spark.bench import synthetic
 from kfed_spark.kernels import device_rng, federated_kmeans, local_step
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import feature_matrix
-
-from helpers import FAR_MIXTURE, FEATURE_MOVES, spread
 
 
 def mixture(scale=1.0, dim=4, k=6, k_per_device=2, devices=30, rows=40, seed=0):
@@ -65,8 +64,9 @@ def test_all_devices_holding_one_point():
 def test_string_and_integer_device_ids_give_the_same_clustering():
     x, devices, _ = mixture()
     as_int = federated_kmeans(x, devices, AlgorithmParams(k=6, k_per_device=2, seed=3))
-    as_str = federated_kmeans(x, np.array([f"phone-{d:03d}" for d in devices]),
-                              AlgorithmParams(k=6, k_per_device=2, seed=3))
+    as_str = federated_kmeans(
+        x, np.array([f"phone-{d:03d}" for d in devices]), AlgorithmParams(k=6, k_per_device=2, seed=3)
+    )
     assert adjusted_rand_index(as_int.labels, as_str.labels) == pytest.approx(1.0)
 
 
@@ -79,8 +79,14 @@ def test_shifting_or_scaling_the_features_changes_no_label(seeding, server_refin
     take every local center for a copy of the first."""
     table = synthetic.mixture(**FAR_MIXTURE)
     x, devices = feature_matrix(table.column("features")), table.column("device_id").to_numpy()
-    params = AlgorithmParams(k=FAR_MIXTURE["k"], k_per_device=FAR_MIXTURE["k_per_device"], seeding=seeding,
-                             server_refine=server_refine, label_mode=label_mode, seed=2)
+    params = AlgorithmParams(
+        k=FAR_MIXTURE["k"],
+        k_per_device=FAR_MIXTURE["k_per_device"],
+        seeding=seeding,
+        server_refine=server_refine,
+        label_mode=label_mode,
+        seed=2,
+    )
     given = federated_kmeans(x, devices, params)
     assert adjusted_rand_index(table.column("true_cluster").to_numpy(), given.labels) > 0.95
     for scale, shift in FEATURE_MOVES.values():
@@ -90,7 +96,8 @@ def test_shifting_or_scaling_the_features_changes_no_label(seeding, server_refin
         np.testing.assert_array_equal(result.local_labels, given.local_labels)
         cost = np.sum((moved - result.server.centers[result.labels]) ** 2)
         assert cost / spread(moved) == pytest.approx(
-            np.sum((x - given.server.centers[given.labels]) ** 2) / spread(x), rel=1e-6)
+            np.sum((x - given.server.centers[given.labels]) ** 2) / spread(x), rel=1e-6
+        )
 
 
 def test_identical_rows_and_one_point_far_from_the_origin_are_still_duplicates():

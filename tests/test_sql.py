@@ -86,7 +86,6 @@ def test_duckdb_reads_the_published_labels_through_delta_rs(spark, config, tmp_p
     assert labels.count_rows() == 2 * N_ROWS  # the raw table still holds the superseded attempt
 
 
-
 def test_dry_run_checks_and_prints_the_plan_without_writing(spark, config, tmp_path, capsys):
     assert main(["run", "--config", str(config), "--dry-run"]) == 0
     out = capsys.readouterr().out

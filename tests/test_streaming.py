@@ -41,12 +41,14 @@ def mixture_parts(mixture_path):
 
 def bad_rows():
     """One row of each reason a row of a stream is quarantined, with the mixture's columns."""
-    return pa.table({
-        "row_id": pa.array([-1, -2, -3, -4], pa.int64()),
-        "device_id": pa.array([None, 3, 3, 50], pa.int64()),
-        "features": pa.array([[0.0] * 8, [1.0, 2.0], [float("nan")] * 8, None], pa.list_(pa.float64())),
-        "true_cluster": pa.array([0, 0, 0, 0], pa.int32()),
-    })
+    return pa.table(
+        {
+            "row_id": pa.array([-1, -2, -3, -4], pa.int64()),
+            "device_id": pa.array([None, 3, 3, 50], pa.int64()),
+            "features": pa.array([[0.0] * 8, [1.0, 2.0], [float("nan")] * 8, None], pa.list_(pa.float64())),
+            "true_cluster": pa.array([0, 0, 0, 0], pa.int32()),
+        }
+    )
 
 
 def stream_rows(spark, out, name):
@@ -73,22 +75,39 @@ def test_three_batches_arriving_while_the_stream_runs_are_each_labelled_or_quara
         stream.query.stop()
     result = stream.result()
     assert (result.batches, result.n_labelled, result.n_quarantined, result.n_new_devices) == (
-        3, known_rows.num_rows + unseen.num_rows, 4, MIXTURE["devices"] - SEEN_DEVICES)
+        3,
+        known_rows.num_rows + unseen.num_rows,
+        4,
+        MIXTURE["devices"] - SEEN_DEVICES,
+    )
 
     labelled = stream_rows(spark, out, "stream_labels").toPandas()
     quarantined = stream_rows(spark, out, "stream_quarantine").toPandas()
     every_row = np.concatenate([known_rows["row_id"], unseen["row_id"], bad_rows()["row_id"]])
     assert sorted(np.concatenate([labelled.row_id, quarantined.row_id])) == sorted(every_row)  # each row once
     assert dict(zip(quarantined.row_id, quarantined.reason)) == {
-        -1: "null_device", -2: "wrong_dimension (expected 8)", -3: "non_finite_value", -4: "null_features"}
+        -1: "null_device",
+        -2: "wrong_dimension (expected 8)",
+        -3: "non_finite_value",
+        -4: "null_features",
+    }
     assert set(labelled.model_run_id) == {"first"} and sorted(set(labelled.batch_id)) == [0, 1]
     for name in STREAM_TABLES:
         assert_commented(spark, out / name, name)
 
     assign_input = tmp_path / "known.parquet"
     pq.write_table(known_rows, assign_input)
-    assign = ["assign", "--model-run", "first", "--config", str(config), "--set", "run_id=assigned",
-              "--set", f"input.path={assign_input}"]
+    assign = [
+        "assign",
+        "--model-run",
+        "first",
+        "--config",
+        str(config),
+        "--set",
+        "run_id=assigned",
+        "--set",
+        f"input.path={assign_input}",
+    ]
     assert main(assign) == 0
     assigned = by_row(labels_of(spark, out, "assigned"), "cluster_id", "local_cluster_id")
     known = labelled[~labelled.new_device].set_index("row_id").sort_index()
@@ -117,8 +136,13 @@ def test_a_delta_source_is_labelled_available_now_and_a_second_run_takes_only_wh
         frame.write.format("delta").mode("append").save(source)
 
     append(pa.concat_tables([table.slice(0, 1000), bad_rows().slice(3, 1)]))  # the null features
-    settings = [f"input.path={source}", "input.format=delta", f"stream.labels={tmp_path / 'labels'}",
-                f"stream.quarantine={tmp_path / 'quarantine'}", f"stream.checkpoint={tmp_path / 'checkpoint'}"]
+    settings = [
+        f"input.path={source}",
+        "input.format=delta",
+        f"stream.labels={tmp_path / 'labels'}",
+        f"stream.quarantine={tmp_path / 'quarantine'}",
+        f"stream.checkpoint={tmp_path / 'checkpoint'}",
+    ]
     cfg = load_config(config, settings)
     model = stored_model(OutputTables(spark, cfg.output), "first")
     for rows, bad in ((1000, 1), (1500, 0)):
@@ -131,11 +155,14 @@ def test_a_delta_source_is_labelled_available_now_and_a_second_run_takes_only_wh
     assert sorted(labelled.column("row_id").to_pylist()) == list(range(2500))
     assert not any(labelled.column("new_device").to_pylist())
     given = dict(zip(table.column("row_id").to_pylist(), table.column("features").to_pylist()))
-    assert all(given[row_id] == features for row_id, features in
-               zip(labelled.column("row_id").to_pylist(), labelled.column("features").to_pylist()))
+    assert all(
+        given[row_id] == features
+        for row_id, features in zip(labelled.column("row_id").to_pylist(), labelled.column("features").to_pylist())
+    )
     quarantined = DeltaTable(str(tmp_path / "quarantine")).to_pyarrow_table()
     assert quarantined.column("features").to_pylist() == [None] and quarantined.column("reason").to_pylist() == [
-        "null_features"]
+        "null_features"
+    ]
 
 
 def test_transform_is_a_plan_that_runs_no_job_and_streams(spark, published_run, mixture_path, tmp_path):
@@ -156,8 +183,14 @@ def test_transform_is_a_plan_that_runs_no_job_and_streams(spark, published_run, 
     np.testing.assert_array_equal(got.local_prediction, expected.local_cluster_id)
 
     arriving = spark.readStream.schema(rows.schema).parquet(mixture_path)
-    query = (model.transform(arriving).select("row_id", "prediction").writeStream.format("memory")
-             .queryName("kfed_streamed").trigger(availableNow=True).start())
+    query = (
+        model.transform(arriving)
+        .select("row_id", "prediction")
+        .writeStream.format("memory")
+        .queryName("kfed_streamed")
+        .trigger(availableNow=True)
+        .start()
+    )
     query.awaitTermination(120)
     streamed = spark.table("kfed_streamed").toPandas().set_index("row_id").sort_index()
     np.testing.assert_array_equal(streamed.prediction, expected.cluster_id)
@@ -189,12 +222,27 @@ def test_a_stream_killed_with_sigkill_resumes_without_duplicates_and_stops_at_on
     parts = [table.slice(0, 2000), pa.concat_tables([table.slice(2000, 2000), bad_rows()]), table.slice(4000)]
     for i, part in enumerate(parts):
         pq.write_table(part, source / f"part-{i}.parquet")
-    args = [sys.executable, "-m", "kfed_spark.cli", "stream", "--config", str(config),
-            "--set", f"input.path={source}", "--set", "stream.max_files_per_trigger=1"]
+    args = [
+        sys.executable,
+        "-m",
+        "kfed_spark.cli",
+        "stream",
+        "--config",
+        str(config),
+        "--set",
+        f"input.path={source}",
+        "--set",
+        "stream.max_files_per_trigger=1",
+    ]
     for name in ("labels", "quarantine", "checkpoint"):
         args += ["--set", f"stream.{name}={tmp_path / name}"]
-    killed = subprocess.run(args + ["--available-now"], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, FAULT_ENV: "kill:stream_batch"})
+    killed = subprocess.run(
+        args + ["--available-now"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, FAULT_ENV: "kill:stream_batch"},
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
 
     log = tmp_path / "resumed.log"
@@ -203,7 +251,7 @@ def test_a_stream_killed_with_sigkill_resumes_without_duplicates_and_stops_at_on
         try:
             deadline = time.monotonic() + 240
             while log.read_text().count("stream batch ") < 3 and time.monotonic() < deadline:  # the killed batch
-                time.sleep(0.5)                                                                 # again, two more
+                time.sleep(0.5)  # again, two more
             resumed.send_signal(signal.SIGTERM)
             resumed.wait(timeout=60)
         finally:

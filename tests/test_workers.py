@@ -4,9 +4,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kfed_spark.workers import LocalStepSpec, device_runs, label_arrays, local_centers_from_batches
 from kfed_spark.kernels import LabelModel, device_rng, local_step, row_hashes, smallest_hashes
 from kfed_spark.params import AlgorithmParams
+from kfed_spark.workers import LocalStepSpec, device_runs, label_arrays, local_centers_from_batches
 
 
 def rows_batch(devices, x, device_type=pa.int64()):
@@ -19,7 +19,9 @@ def rows_batch(devices, x, device_type=pa.int64()):
 
 def test_device_runs_splits_consecutive_ids():
     assert list(device_runs(np.array(["a", "a", "b", "c", "c"], dtype=object))) == [
-        ("a", 0, 2), ("b", 2, 3), ("c", 3, 5)
+        ("a", 0, 2),
+        ("b", 2, 3),
+        ("c", 3, 5),
     ]
     assert list(device_runs(np.array([], dtype=np.int64))) == []
 
@@ -34,7 +36,9 @@ def test_devices_spanning_batches_are_clustered_once_on_all_their_rows(device_ty
     x = np.concatenate(list(data.values()))
     # 100-row batches: device 3 spans three batches, batch 3 holds devices 3, 8 and 11.
     batches = [rows_batch(devices[i : i + 100].tolist(), x[i : i + 100], device_type) for i in range(0, len(x), 100)]
-    spec = LocalStepSpec(k=3, params=AlgorithmParams(k=3, seed=5, max_rows_per_device=1000), dim=4, device_type=device_type)
+    spec = LocalStepSpec(
+        k=3, params=AlgorithmParams(k=3, seed=5, max_rows_per_device=1000), dim=4, device_type=device_type
+    )
     out = pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
     assert out.column("device_id").to_pylist().count(keys[3]) == 3
     for d, rows in data.items():
@@ -51,8 +55,10 @@ def test_a_device_over_the_row_bound_is_clustered_on_a_sample_that_ignores_row_o
     spec = LocalStepSpec(k=2, params=AlgorithmParams(k=2, max_rows_per_device=60), dim=2, device_type=pa.int64())
 
     def centers_from(rows, batch_size):
-        batches = [rows_batch([4] * len(rows[i : i + batch_size]), rows[i : i + batch_size])
-                   for i in range(0, len(rows), batch_size)]
+        batches = [
+            rows_batch([4] * len(rows[i : i + batch_size]), rows[i : i + batch_size])
+            for i in range(0, len(rows), batch_size)
+        ]
         return pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
 
     out = centers_from(x, 100)
@@ -66,13 +72,24 @@ def test_a_device_over_the_row_bound_is_clustered_on_a_sample_that_ignores_row_o
 
 
 def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():
-    arrays = dict(devices=np.array([7, 7, 9]), local_ids=np.array([0, 1, 0]), centers=np.array([[0.0], [10.0], [4.0]]),
-                  clusters=np.array([1, 0, 1]), global_centers=np.array([[10.0], [1.0]]))
+    arrays = dict(
+        devices=np.array([7, 7, 9]),
+        local_ids=np.array([0, 1, 0]),
+        centers=np.array([[0.0], [10.0], [4.0]]),
+        clusters=np.array([1, 0, 1]),
+        global_centers=np.array([[10.0], [1.0]]),
+    )
     model = LabelModel.build(**arrays, label_mode="induced")
     batch = with_reasons(rows_batch([9, 7, 7], np.array([[9.0], [9.0], [1.0]])), [None, None, None])
     out = labelled(batch, model, 1)
-    assert out.column_names == ["local_cluster_id", "cluster_id", "__kfed_sq_dist", "margin", "non_finite",
-                                "__kfed_evaluation"]
+    assert out.column_names == [
+        "local_cluster_id",
+        "cluster_id",
+        "__kfed_sq_dist",
+        "margin",
+        "non_finite",
+        "__kfed_evaluation",
+    ]
     assert out.column("local_cluster_id").to_pylist() == [0, 1, 0]
     assert out.column("cluster_id").to_pylist() == [1, 0, 1]  # device 9's only center is in cluster 1
     assert out.column("__kfed_sq_dist").to_pylist() == [64.0, 1.0, 0.0]
@@ -84,7 +101,6 @@ def test_labelling_uses_the_devices_nearest_local_center_and_its_cluster():
     assert labelled(batch, renamed, 1).column("cluster_id").to_pylist() == [7, 40, 7]  # positions -> published ids
 
 
-
 def test_rows_of_unseen_devices_take_the_nearest_global_center_only_when_the_model_allows():
     args = (np.array([7, 7]), np.array([0, 1]), np.array([[0.0], [10.0]]), np.array([1, 0]), np.array([[10.0], [1.0]]))
     batch = with_reasons(rows_batch([7, 8, 8, 7], np.array([[9.0], [9.0], [2.0], [1.0]])), [None] * 4)
@@ -94,9 +110,12 @@ def test_rows_of_unseen_devices_take_the_nearest_global_center_only_when_the_mod
         assert out.column("cluster_id").to_pylist() == [0, 0, 1, 1]
         assert out.column("__kfed_sq_dist").to_pylist() == [1.0, 1.0, 1.0, 0.0]
     only_unseen = with_reasons(rows_batch([8], np.array([[3.0]])), [None])
-    assert labelled(only_unseen, LabelModel.build(*args, "induced", label_unseen=True), 1).column("cluster_id").to_pylist() == [1]
+    assert labelled(only_unseen, LabelModel.build(*args, "induced", label_unseen=True), 1).column(
+        "cluster_id"
+    ).to_pylist() == [1]
     with pytest.raises(ValueError, match="device 8 has no local centers in this model"):
         labelled(batch, LabelModel.build(*args, "induced"), 1)
+
 
 def with_reasons(batch, reasons):
     return pa.RecordBatch.from_arrays(
@@ -112,8 +131,9 @@ def labelled(batch, model, dim):
 
 
 def test_rows_with_a_reason_or_non_finite_values_pass_through_unlabelled():
-    model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0, 0.0]]), np.array([0]),
-                             np.array([[0.0, 0.0]]), "induced")
+    model = LabelModel.build(
+        np.array([1]), np.array([0]), np.array([[0.0, 0.0]]), np.array([0]), np.array([[0.0, 0.0]]), "induced"
+    )
     x = np.array([[1.0, 0.0], [np.nan, 0.0], [0.0, np.inf], [2.0, 0.0]])
     batch = with_reasons(rows_batch([1, 1, 1, None], x), [None, None, None, "null_device"])
     out = labelled(batch, model, 2)
@@ -124,15 +144,18 @@ def test_rows_with_a_reason_or_non_finite_values_pass_through_unlabelled():
 
 def test_local_step_skips_non_finite_rows():
     x = np.array([[0.0], [np.nan], [10.0], [np.inf]])
-    spec = LocalStepSpec(k=2, params=AlgorithmParams(k=2, max_iter=10, tol=0.0, max_rows_per_device=100), dim=1,
-                         device_type=pa.int64())
+    spec = LocalStepSpec(
+        k=2, params=AlgorithmParams(k=2, max_iter=10, tol=0.0, max_rows_per_device=100), dim=1, device_type=pa.int64()
+    )
     out = pa.Table.from_batches(list(local_centers_from_batches(iter([rows_batch([1, 1, 1, 1], x)]), spec)))
     assert out.column("center").to_pylist() == [[0.0], [10.0]]
     assert out.column("n_points").to_pylist() == [1, 1]
 
 
 def test_labelling_a_device_without_local_centers_fails_clearly():
-    model = LabelModel.build(np.array([1]), np.array([0]), np.array([[0.0]]), np.array([0]), np.array([[0.0]]), "induced")
+    model = LabelModel.build(
+        np.array([1]), np.array([0]), np.array([[0.0]]), np.array([0]), np.array([[0.0]]), "induced"
+    )
     batch = with_reasons(rows_batch([2], np.array([[1.0]])), [None])
     with pytest.raises(ValueError, match="device 2 has no local centers"):
         labelled(batch, model, 1)

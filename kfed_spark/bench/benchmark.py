@@ -66,8 +66,10 @@ class Report:
         ]
         for e in self.entries:
             lines.append(
-                f"| {e.name} | > {e.seconds:.0f} (stopped) | < {e.rows_per_second:,.0f} | | | |" if e.lower_bound else
-                f"| {e.name} | {e.seconds:.2f} | {e.rows_per_second:,.0f} | {e.cost:.6g} | {e.cost_ratio:.4f} | {e.ari:.4f} |"
+                f"| {e.name} | > {e.seconds:.0f} (stopped) | < {e.rows_per_second:,.0f} | | | |"
+                if e.lower_bound
+                else f"| {e.name} | {e.seconds:.2f} | {e.rows_per_second:,.0f} | {e.cost:.6g} | "
+                f"{e.cost_ratio:.4f} | {e.ari:.4f} |"
             )
         if self.spark_passes:
             lines += ["", "| Spark pass over the same input, no clustering | seconds |", "| --- | ---: |"]
@@ -78,7 +80,10 @@ class Report:
             if e.stages:
                 lines += ["", f"{e.name}, stages (s): " + ", ".join(f"{s} {v:.2f}" for s, v in e.stages.items())]
         if self.peak_memory_mb:
-            lines += ["", "peak resident memory (MB): " + ", ".join(f"{p} {v:,.0f}" for p, v in self.peak_memory_mb.items())]
+            lines += [
+                "",
+                "peak resident memory (MB): " + ", ".join(f"{p} {v:,.0f}" for p, v in self.peak_memory_mb.items()),
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -108,8 +113,6 @@ def planted(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     return x, table.column("device_id").to_numpy(), truth, cost_of_labels(x, truth)
 
 
-
-
 def _timed(fn):
     start = time.perf_counter()
     value = fn()
@@ -119,8 +122,16 @@ def _timed(fn):
 ONE_RESTART = "k-FED on Spark, end to end, one local restart (before local_restarts)"
 
 
-def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
-                   run_id: str, local_restarts: int = DEFAULTS.local_restarts) -> tuple[Entry, np.ndarray]:
+def run_kfed_spark(
+    spark,
+    data: str,
+    out: Path,
+    k: int,
+    k_per_device: int,
+    seed: int,
+    run_id: str,
+    local_restarts: int = DEFAULTS.local_restarts,
+) -> tuple[Entry, np.ndarray]:
     from pyspark.sql import functions as F
 
     from kfed_spark.io import OutputTables
@@ -140,8 +151,13 @@ def run_kfed_spark(spark, data: str, out: Path, k: int, k_per_device: int, seed:
     )
     result, seconds = _timed(lambda: run(spark, cfg))
     labels = (
-        OutputTables(spark, cfg.output).published("labels").filter(F.col("run_id") == run_id)
-        .select("row_id", "cluster_id").toPandas().sort_values("row_id").cluster_id.to_numpy()
+        OutputTables(spark, cfg.output)
+        .published("labels")
+        .filter(F.col("run_id") == run_id)
+        .select("row_id", "cluster_id")
+        .toPandas()
+        .sort_values("row_id")
+        .cluster_id.to_numpy()
     )
     name = "k-FED on Spark, end to end" if local_restarts == DEFAULTS.local_restarts else ONE_RESTART
     return Entry(name, seconds, result.cost, 0.0, result.timings), labels
@@ -160,8 +176,13 @@ def shuffle_by_device(rows) -> None:
     from pyspark.sql import functions as F
 
     partitions = int(rows.sparkSession.conf.get("spark.sql.shuffle.partitions"))
-    (rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
-     .mapInArrow(lambda batches: (b.slice(0, 0) for b in batches), rows.schema).agg(F.count("*")).collect())
+    (
+        rows.repartition(partitions, "device_id")
+        .sortWithinPartitions("device_id")
+        .mapInArrow(lambda batches: (b.slice(0, 0) for b in batches), rows.schema)
+        .agg(F.count("*"))
+        .collect()
+    )
 
 
 def with_one_int_per_row(rows):
@@ -197,7 +218,8 @@ def time_spark_passes(spark, data: str, out: Path) -> dict[str, float]:
     new_delta_table(spark, out / "pass_python", labelled.schema, labels_like_stats())
     passes = {}
     _, passes["read -> Delta write"] = _timed(
-        lambda: rows.write.format("delta").mode("append").save(str(out / "pass_copy")))
+        lambda: rows.write.format("delta").mode("append").save(str(out / "pass_copy"))
+    )
     _, passes[SHUFFLE_PASS] = _timed(lambda: shuffle_by_device(rows))
     _, passes[UDF_PASS] = _timed(lambda: labelled.write.format("delta").mode("append").save(str(out / "pass_python")))
     passes[SHAPE_OF_KFED] = passes[SHUFFLE_PASS] + passes[UDF_PASS]
@@ -213,8 +235,9 @@ def new_delta_table(spark, path: Path, schema, properties: dict[str, str] | None
     spark.sql(f"CREATE TABLE delta.`{path}` ({columns}) USING delta{properties_clause}")
 
 
-def run_mllib(spark, data: str, out: Path, k: int, seed: int,
-              limit: float | None = None) -> tuple[Entry, Entry, np.ndarray | None]:
+def run_mllib(
+    spark, data: str, out: Path, k: int, seed: int, limit: float | None = None
+) -> tuple[Entry, Entry, np.ndarray | None]:
     """MLlib KMeans fit, then transform and the same Delta write; with a limit (seconds), the fit's
     Spark jobs are cancelled once it has run that long, and both entries report the limit as a lower
     bound (no cost, no labels)."""
@@ -248,13 +271,20 @@ def run_mllib(spark, data: str, out: Path, k: int, seed: int,
         raise fitted["error"]
     model, fit_seconds = fitted["model"], time.perf_counter() - start
     (
-        model.transform(rows).drop("features_vector")
-        .write.format("delta").mode("overwrite").save(str(out / "mllib_labels"))
+        model.transform(rows)
+        .drop("features_vector")
+        .write.format("delta")
+        .mode("overwrite")
+        .save(str(out / "mllib_labels"))
     )
     total = time.perf_counter() - start
     labels = (
-        spark.read.format("delta").load(str(out / "mllib_labels")).select("row_id", "cluster_id")
-        .toPandas().sort_values("row_id").cluster_id.to_numpy()
+        spark.read.format("delta")
+        .load(str(out / "mllib_labels"))
+        .select("row_id", "cluster_id")
+        .toPandas()
+        .sort_values("row_id")
+        .cluster_id.to_numpy()
     )
     cost = model.summary.trainingCost
     return Entry(MLLIB_ENTRIES[0], fit_seconds, cost, 0.0), Entry(MLLIB_ENTRIES[1], total, cost, 0.0), labels
@@ -273,20 +303,23 @@ def run_floor(data: str, out: Path, k: int, k_per_device: int, seed: int) -> tup
     x = feature_matrix(table.column("features"))
     stages["read"] = time.perf_counter() - start
     result, stages["cluster"] = _timed(
-        lambda: federated_kmeans(x, table.column("device_id").to_numpy(),
-                                 AlgorithmParams(k=k, k_per_device=k_per_device, seed=seed))
+        lambda: federated_kmeans(
+            x, table.column("device_id").to_numpy(), AlgorithmParams(k=k, k_per_device=k_per_device, seed=seed)
+        )
     )
     _, stages["write"] = _timed(
         lambda: pq.write_table(
-            table.append_column("local_cluster_id", pa.array(result.local_labels, type=pa.int32()))
-            .append_column("cluster_id", pa.array(result.labels, type=pa.int32())),
+            table.append_column("local_cluster_id", pa.array(result.local_labels, type=pa.int32())).append_column(
+                "cluster_id", pa.array(result.labels, type=pa.int32())
+            ),
             out / "floor_labels.parquet",
         )
     )
     seconds = time.perf_counter() - start
     cost = float(np.sum((x - result.server.centers[result.labels]) ** 2))
-    return Entry("k-FED without Spark (floor): pyarrow + numpy", seconds, cost, 0.0, {s: round(v, 3) for s, v in stages.items()}), \
-        result.labels[np.argsort(table.column("row_id").to_numpy())]
+    return Entry(
+        "k-FED without Spark (floor): pyarrow + numpy", seconds, cost, 0.0, {s: round(v, 3) for s, v in stages.items()}
+    ), result.labels[np.argsort(table.column("row_id").to_numpy())]
 
 
 def run_sklearn(x: np.ndarray, k: int, seed: int) -> tuple[Entry, np.ndarray]:
@@ -348,8 +381,18 @@ def fastest(repeats: int, run, seconds_of=lambda result: result[0].seconds):
     return min((run() for _ in range(repeats)), key=seconds_of)
 
 
-def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int, command: str,
-              with_sklearn: bool = True, repeats: int = 3, mllib_limit: float | None = None) -> Report:
+def benchmark(
+    spark,
+    data: str,
+    out: Path,
+    k: int,
+    k_per_device: int,
+    seed: int,
+    command: str,
+    with_sklearn: bool = True,
+    repeats: int = 3,
+    mllib_limit: float | None = None,
+) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     x, devices, truth, planted_cost = planted(data)
     shutil.rmtree(out / "kfed", ignore_errors=True)
@@ -359,17 +402,25 @@ def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
         key=lambda result: result[0].seconds,
     )
     one_restart, one_restart_labels = min(
-        (run_kfed_spark(spark, data, out, k, k_per_device, seed, f"bench-one-restart-{attempt}", local_restarts=1)
-         for attempt in range(repeats)),
+        (
+            run_kfed_spark(spark, data, out, k, k_per_device, seed, f"bench-one-restart-{attempt}", local_restarts=1)
+            for attempt in range(repeats)
+        ),
         key=lambda result: result[0].seconds,
     )
     runs_of_passes = [time_spark_passes(spark, data, out) for _ in range(repeats)]
     spark_passes = {name: min(passes[name] for passes in runs_of_passes) for name in runs_of_passes[0]}
     floor, floor_labels = fastest(repeats, lambda: run_floor(data, out, k, k_per_device, seed))
-    fit, mllib_total, mllib_labels = fastest(repeats, lambda: run_mllib(spark, data, out, k, seed, mllib_limit),
-                                             lambda result: result[1].seconds)
-    measured = [(kfed, kfed_labels), (one_restart, one_restart_labels), (floor, floor_labels), (fit, mllib_labels),
-                (mllib_total, mllib_labels)]
+    fit, mllib_total, mllib_labels = fastest(
+        repeats, lambda: run_mllib(spark, data, out, k, seed, mllib_limit), lambda result: result[1].seconds
+    )
+    measured = [
+        (kfed, kfed_labels),
+        (one_restart, one_restart_labels),
+        (floor, floor_labels),
+        (fit, mllib_labels),
+        (mllib_total, mllib_labels),
+    ]
     if with_sklearn:
         sklearn, sklearn_labels = fastest(repeats, lambda: run_sklearn(x, k, seed))
         measured.append((sklearn, sklearn_labels))
@@ -380,22 +431,35 @@ def benchmark(spark, data: str, out: Path, k: int, k_per_device: int, seed: int,
         entry.rows_per_second = len(x) / entry.seconds
     at_least = " (lower bound: MLlib stopped at its limit)" if fit.lower_bound else ""
     ratios = {
-        f"MLlib end-to-end time / k-FED end-to-end time (target >= 8 at 2M rows, >= 3 at 500k){at_least}":
-            mllib_total.seconds / kfed.seconds,
+        f"MLlib end-to-end time / k-FED end-to-end time (target >= 8 at 2M rows, >= 3 at 500k){at_least}": (
+            mllib_total.seconds / kfed.seconds
+        ),
         f"MLlib fit time / k-FED end-to-end time{at_least}": fit.seconds / kfed.seconds,
-        f"k-FED end-to-end time / Spark passes without clustering ({SHAPE_OF_KFED}) (target <= 1.2)":
-            kfed.seconds / spark_passes[SHAPE_OF_KFED],
+        f"k-FED end-to-end time / Spark passes without clustering ({SHAPE_OF_KFED}) (target <= 1.2)": kfed.seconds
+        / spark_passes[SHAPE_OF_KFED],
         "k-FED end-to-end time / no-Spark floor time (target <= 2.5)": kfed.seconds / floor.seconds,
-        f"Spark passes without clustering ({SHAPE_OF_KFED}) / no-Spark floor time":
-            spark_passes[SHAPE_OF_KFED] / floor.seconds,
+        f"Spark passes without clustering ({SHAPE_OF_KFED}) / no-Spark floor time": spark_passes[SHAPE_OF_KFED]
+        / floor.seconds,
         "k-FED cost / MLlib cost (target <= 1)": kfed.cost / fit.cost,
-        f"k-FED local step, {DEFAULTS.local_restarts} local restarts / one (target <= 1.5)":
-            kfed.stages["local_step"] / one_restart.stages["local_step"],
+        f"k-FED local step, {DEFAULTS.local_restarts} local restarts / one (target <= 1.5)": kfed.stages["local_step"]
+        / one_restart.stages["local_step"],
     }
     if with_sklearn:
         ratios["k-FED cost / scikit-learn cost (target <= 1)"] = kfed.cost / sklearn.cost
-    return Report(len(x), len(np.unique(devices)), x.shape[1], k, k_per_device, planted_cost,
-                  [entry for entry, _ in measured], ratios, peak_memory_mb(), command, spark_passes, repeats)
+    return Report(
+        len(x),
+        len(np.unique(devices)),
+        x.shape[1],
+        k,
+        k_per_device,
+        planted_cost,
+        [entry for entry, _ in measured],
+        ratios,
+        peak_memory_mb(),
+        command,
+        spark_passes,
+        repeats,
+    )
 
 
 def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int) -> dict[str, float]:
@@ -403,7 +467,9 @@ def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int)
     each seeding rule and refinement, and the ratio of each k-means++ time to the farthest-point one."""
     rng = np.random.default_rng(seed)
     means = rng.normal(0.0, 4.0, size=(k, dim))
-    centers = means[rng.integers(0, k, size=devices * per_device)] + 0.1 * rng.standard_normal((devices * per_device, dim))
+    centers = means[rng.integers(0, k, size=devices * per_device)] + 0.1 * rng.standard_normal(
+        (devices * per_device, dim)
+    )
     counts = rng.integers(50, 150, size=devices * per_device)
     device_ids = np.repeat(np.arange(devices), per_device)
     local_ids = np.tile(np.arange(per_device), devices)
@@ -417,9 +483,11 @@ def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int)
             timings[f"refine rounds, seeding={seeding} server_refine={refine}"] = float(result.refine_iterations)
             assigned = centers - result.centers[result.assignment]
             timings[f"weighted cost, seeding={seeding} server_refine={refine}"] = float(
-                np.einsum("ij,ij->i", assigned, assigned) @ counts)
+                np.einsum("ij,ij->i", assigned, assigned) @ counts
+            )
         timings[f"kmeanspp / farthest seconds, server_refine={refine}"] = round(
-            seconds["kmeanspp"] / seconds["farthest"], 3)  # from the unrounded times: small runs take < 1 ms
+            seconds["kmeanspp"] / seconds["farthest"], 3
+        )  # from the unrounded times: small runs take < 1 ms
     return timings
 
 
@@ -438,19 +506,26 @@ def generated_local_centers(spark, path: str, devices: int, per_device: int, k: 
             rng = device_rng(seed, int(ids[0]))
             truth = rng.integers(0, k, size=len(ids))
             yield pa.RecordBatch.from_arrays(
-                [pa.array(ids // per_device), pa.array((ids % per_device).astype(np.int32)),
-                 features_array(means[truth] + 0.1 * rng.standard_normal((len(ids), dim))),
-                 pa.array(rng.integers(50, 150, size=len(ids))), pa.array(truth.astype(np.int32))],
-                names=["device_id", "local_cluster_id", "center", "n_points", "true_cluster"])
+                [
+                    pa.array(ids // per_device),
+                    pa.array((ids % per_device).astype(np.int32)),
+                    features_array(means[truth] + 0.1 * rng.standard_normal((len(ids), dim))),
+                    pa.array(rng.integers(50, 150, size=len(ids))),
+                    pa.array(truth.astype(np.int32)),
+                ],
+                names=["device_id", "local_cluster_id", "center", "n_points", "true_cluster"],
+            )
 
     schema = "device_id long, local_cluster_id int, center array<double>, n_points long, true_cluster int"
     partitions = max(2, devices * per_device // 250_000)
-    spark.range(0, devices * per_device, numPartitions=partitions).mapInArrow(draw, schema) \
-        .write.mode("overwrite").parquet(path)
+    spark.range(0, devices * per_device, numPartitions=partitions).mapInArrow(draw, schema).write.mode(
+        "overwrite"
+    ).parquet(path)
 
 
-def benchmark_distributed_server(spark, out: Path, devices: int, per_device: int, k: int, dim: int,
-                                 seed: int) -> dict[str, float]:
+def benchmark_distributed_server(
+    spark, out: Path, devices: int, per_device: int, k: int, dim: int, seed: int
+) -> dict[str, float]:
     """Time the distributed server step (kfed_spark.distributed) on generated local centers read from
     Parquet: the merge, then every local center's cluster written back as Parquet; with the ARI of
     those clusters against the means the centers were drawn around, and the peak memory."""
@@ -463,7 +538,8 @@ def benchmark_distributed_server(spark, out: Path, devices: int, per_device: int
     local = spark.read.parquet(data)
     merged, merge_seconds = _timed(lambda: global_centers(local, dim, params))
     _, assign_seconds = _timed(
-        lambda: with_clusters(local, merged.centers).write.mode("overwrite").parquet(str(out / "clustered")))
+        lambda: with_clusters(local, merged.centers).write.mode("overwrite").parquet(str(out / "clustered"))
+    )
     cells = spark.read.parquet(str(out / "clustered")).groupBy("true_cluster", "cluster_id").count().toPandas()
     table = cells.pivot(index="true_cluster", columns="cluster_id", values="count").fillna(0).to_numpy()
     return {

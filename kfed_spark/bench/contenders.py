@@ -49,8 +49,13 @@ def mllib(spark, data: str, out: Path, k: int, seed: int, stages: Stages) -> dic
     rows = spark.read.parquet(data).withColumn("features_vector", array_to_vector("features"))
     model = KMeans(k=k, seed=seed, featuresCol="features_vector", predictionCol="cluster_id").fit(rows)
     stages.done("read and fit")
-    (model.transform(rows).drop("features_vector")
-     .write.format("delta").mode("overwrite").save(str(out / MLLIB_LABELS)))
+    (
+        model.transform(rows)
+        .drop("features_vector")
+        .write.format("delta")
+        .mode("overwrite")
+        .save(str(out / MLLIB_LABELS))
+    )
     stages.done("transform and Delta write")
     return {"cost": model.summary.trainingCost}
 

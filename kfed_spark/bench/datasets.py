@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kfed_spark.workers import features_array
 from kfed_spark.errors import InputError
+from kfed_spark.workers import features_array
 
 DATA_DIR_ENV = "KFED_DATA_DIR"
 
@@ -33,7 +33,6 @@ def default_data_dir() -> Path:
     if os.environ.get(DATA_DIR_ENV):
         return Path(os.environ[DATA_DIR_ENV])
     return Path(__file__).resolve().parents[3] / "shared" / "data"
-
 
 
 def _folder(data_dir: Path, name: str) -> Path:

@@ -68,7 +68,8 @@ class FreshReport:
             f"{self.rows:,} rows, {self.devices:,} devices, d = {self.dim}, k = {self.k}, {self.k_per_device} "
             f"clusters per device; each contender a fresh process, one run each; `{self.command}`",
             "",
-            "| contender (fresh process) | seconds | k-means cost | ARI | peak memory MB: driver, JVM, largest worker |",
+            "| contender (fresh process) | seconds | k-means cost | ARI "
+            "| peak memory MB: driver, JVM, largest worker |",
             "| --- | ---: | ---: | ---: | --- |",
         ]
         for run in self.runs:
@@ -157,14 +158,18 @@ def read_into_file_cache(data: str) -> None:
                     pass
 
 
-def kfed_config(data: str, location: Path, k: int, k_per_device: int, seed: int, master: str,
-                driver_memory: str) -> dict:
+def kfed_config(
+    data: str, location: Path, k: int, k_per_device: int, seed: int, master: str, driver_memory: str
+) -> dict:
     """The scheduled run's config: conf/local.yaml's settings on the benchmark's input, without the run
     report (the other contenders make none)."""
     return {
         "input": {"path": data, "format": "parquet", "device_col": "device_id", "features_col": "features"},
         "output": {"path": str(location)},
-        "k": k, "k_per_device": k_per_device, "seed": seed, "report": False,
+        "k": k,
+        "k_per_device": k_per_device,
+        "seed": seed,
+        "report": False,
         "spark": {"master": master, "conf": {"spark.driver.memory": driver_memory, **BENCH_SPARK_CONF}},
     }
 
@@ -176,8 +181,16 @@ def ari_against(truth_by_row: np.ndarray, folder: Path) -> float:
     return adjusted_rand_index(truth_by_row[table.column("row_id").to_numpy()], table.column("cluster_id").to_numpy())
 
 
-def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, command: str,
-                    master: str = "local[2]", driver_memory: str = "2g") -> FreshReport:
+def benchmark_fresh(
+    data: str,
+    out: Path,
+    k: int,
+    k_per_device: int,
+    seed: int,
+    command: str,
+    master: str = "local[2]",
+    driver_memory: str = "2g",
+) -> FreshReport:
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
@@ -191,27 +204,48 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
     shutil.rmtree(location, ignore_errors=True)
     setup_input = out / "setup_input"
     shutil.rmtree(setup_input, ignore_errors=True)
-    ds.write_dataset(ds.dataset(data, format="parquet").to_table(
-        filter=ds.field("device_id").isin(device_ids[:SETUP_DEVICES])), str(setup_input), format="parquet")
+    ds.write_dataset(
+        ds.dataset(data, format="parquet").to_table(filter=ds.field("device_id").isin(device_ids[:SETUP_DEVICES])),
+        str(setup_input),
+        format="parquet",
+    )
     configs = {}
     for role, source in (("setup", str(setup_input)), ("timed", data)):
         configs[role] = out / f"kfed-{role}.yaml"
-        configs[role].write_text(yaml.safe_dump(
-            kfed_config(source, location, k, k_per_device, seed, master, driver_memory), sort_keys=False))
+        configs[role].write_text(
+            yaml.safe_dump(kfed_config(source, location, k, k_per_device, seed, master, driver_memory), sort_keys=False)
+        )
     kfed = kfed_command()
     contender = [sys.executable, "-m", "kfed_spark.bench.contenders"]
-    common = ["--data", data, "--out", str(out), "--k", str(k), "--seed", str(seed), "--master", master,
-              "--driver-memory", driver_memory]
-    timed_process("setup run", [*kfed, "run", "--config", str(configs["setup"]), "--set", "run_id=bench-setup",
-                                "--quiet"], logs / "kfed-setup.log")
+    common = [
+        "--data",
+        data,
+        "--out",
+        str(out),
+        "--k",
+        str(k),
+        "--seed",
+        str(seed),
+        "--master",
+        master,
+        "--driver-memory",
+        driver_memory,
+    ]
+    timed_process(
+        "setup run",
+        [*kfed, "run", "--config", str(configs["setup"]), "--set", "run_id=bench-setup", "--quiet"],
+        logs / "kfed-setup.log",
+    )
     timed_process("setup of the bare passes", [*contender, "setup-passes", *common], logs / "passes-setup.log")
 
     runs = []
     run_id = f"bench-{time.strftime('%Y%m%dT%H%M%S')}"
     read_into_file_cache(data)
     seconds, stdout, peaks = timed_process(
-        "k-FED", [*kfed, "run", "--config", str(configs["timed"]), "--set", f"run_id={run_id}", "--json"],
-        logs / "kfed.log")
+        "k-FED",
+        [*kfed, "run", "--config", str(configs["timed"]), "--set", f"run_id={run_id}", "--json"],
+        logs / "kfed.log",
+    )
     result = last_json_line(stdout)
     stages = with_rest(result["timings"], seconds, "process start, imports and exit")
     labels = location / "labels" / f"run_id={run_id}" / f"attempt_id={result['attempt_id']}"
@@ -219,33 +253,51 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
 
     top = min(SWEEP_KS[1], result["n_local_centers"])
     seconds, stdout, peaks = timed_process(
-        "k sweep", [*kfed, "choose-k", "--output", str(location), "--run", run_id, "--k", f"{SWEEP_KS[0]}:{top}",
-                    "--json"], logs / "choose-k.log")
+        "k sweep",
+        [*kfed, "choose-k", "--output", str(location), "--run", run_id, "--k", f"{SWEEP_KS[0]}:{top}", "--json"],
+        logs / "choose-k.log",
+    )
     swept = last_json_line(stdout)
     sweep_seconds = sum(f["seconds"] for f in swept["figures"])
-    runs.append(ProcessRun(f"{SWEEP}, k = {SWEEP_KS[0]}..{top}", seconds,
-                           {"server steps and figures": round(sweep_seconds, 3),
-                            "process start, reading the run, report files and exit": round(seconds - sweep_seconds, 3)},
-                           peaks))
+    runs.append(
+        ProcessRun(
+            f"{SWEEP}, k = {SWEEP_KS[0]}..{top}",
+            seconds,
+            {
+                "server steps and figures": round(sweep_seconds, 3),
+                "process start, reading the run, report files and exit": round(seconds - sweep_seconds, 3),
+            },
+            peaks,
+        )
+    )
 
     shutil.rmtree(out / MLLIB_LABELS, ignore_errors=True)
     read_into_file_cache(data)
     seconds, stdout, peaks = timed_process("MLlib", [*contender, "mllib", *common], logs / "mllib.log")
     figures = last_json_line(stdout)
-    runs.append(ProcessRun(MLLIB, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"),
-                           peaks, figures["cost"], ari_against(truth_by_row, out / MLLIB_LABELS)))
+    runs.append(
+        ProcessRun(
+            MLLIB,
+            seconds,
+            with_rest(figures["stages"], seconds, "process start, imports and exit"),
+            peaks,
+            figures["cost"],
+            ari_against(truth_by_row, out / MLLIB_LABELS),
+        )
+    )
 
     read_into_file_cache(data)
     seconds, stdout, peaks = timed_process("bare passes", [*contender, "passes", *common], logs / "passes.log")
     figures = last_json_line(stdout)
-    runs.append(ProcessRun(PASSES, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"),
-                           peaks))
+    runs.append(
+        ProcessRun(PASSES, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"), peaks)
+    )
 
     kfed_run, sweep_run, mllib_run, passes_run = runs
     ratios = {
         "MLlib / k-FED, wall time": mllib_run.seconds / kfed_run.seconds,
-        f"k sweep of {top - SWEEP_KS[0] + 1} ks / one MLlib read and fit at k = {k}, wall time":
-            sweep_run.seconds / mllib_run.stages["read and fit"],
+        f"k sweep of {top - SWEEP_KS[0] + 1} ks / one MLlib read and fit at k = {k}, wall time": sweep_run.seconds
+        / mllib_run.stages["read and fit"],
         "k-FED / Spark's bare passes, wall time": kfed_run.seconds / passes_run.seconds,
         "k-FED cost / MLlib cost": kfed_run.cost / mllib_run.cost,
     }
@@ -257,8 +309,19 @@ def benchmark_fresh(data: str, out: Path, k: int, k_per_device: int, seed: int, 
     return FreshReport(len(table), len(device_ids), dim, k, k_per_device, runs, ratios, command, notes)
 
 
-JOB_STAGES = ("session", "validate", "claim", "local_step", "k_sweep", "server_step", "labels", "other_tables",
-              "report", "publish", "supersede")
+JOB_STAGES = (
+    "session",
+    "validate",
+    "claim",
+    "local_step",
+    "k_sweep",
+    "server_step",
+    "labels",
+    "other_tables",
+    "report",
+    "publish",
+    "supersede",
+)
 """The job's stages in the order it runs them (its JSON lists them sorted by name)."""
 
 

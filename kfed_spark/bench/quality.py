@@ -19,13 +19,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kfed_spark.workers import feature_matrix, features_array
 from kfed_spark.bench.datasets import DATASETS, load
+from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture, uneven_mixture
+from kfed_spark.k_sweep import k_values, sweep
 from kfed_spark.kernels import device_rng, federated_kmeans, local_clusterings
 from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
 from kfed_spark.params import DEFAULTS, LABEL_MODES, SEEDING_RULES, AlgorithmParams
-from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture, uneven_mixture
-from kfed_spark.k_sweep import k_values, sweep
+from kfed_spark.workers import feature_matrix, features_array
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
 OUTLIER_DEVICES = 10
@@ -35,8 +35,16 @@ OUTLIER_ROWS = 3
 SYNTHETIC_PROBLEMS = ("mixture", "mixture-iid", "mixture-outliers", "close-means", "mixture-uneven")
 PROBLEMS = (*DATASETS, *SYNTHETIC_PROBLEMS)
 
-K_PER_DEVICE = {"femnist": 10, "mnist": 2, "shakespeare": 1, "mixture": 4, "mixture-iid": 16, "mixture-outliers": 4,
-                "close-means": 7, "mixture-uneven": 4}
+K_PER_DEVICE = {
+    "femnist": 10,
+    "mnist": 2,
+    "shakespeare": 1,
+    "mixture": 4,
+    "mixture-iid": 16,
+    "mixture-outliers": 4,
+    "close-means": 7,
+    "mixture-uneven": 4,
+}
 """The fixed k_z each dataset is clustered with: rotated MNIST devices hold 2 digits by
 construction, a Shakespeare role speaks in one play, a FEMNIST writer writes most classes
 (10 is a budget, not a truth), the IID partition puts every cluster on every device."""
@@ -53,9 +61,14 @@ WARM_START = "k-FED defaults, warm-started from the centers of a run with anothe
 
 def combination_name(restarts: int, min_size: float, seeding: str, label_mode: str) -> str:
     default = (restarts, min_size, seeding, label_mode) == (
-        DEFAULTS.local_restarts, DEFAULTS.robust_min_size, DEFAULTS.seeding, DEFAULTS.label_mode)
-    return (f"k-FED restarts={restarts} filter={min_size:g} seeding={seeding} labels={label_mode}"
-            + (" (default)" if default else ""))
+        DEFAULTS.local_restarts,
+        DEFAULTS.robust_min_size,
+        DEFAULTS.seeding,
+        DEFAULTS.label_mode,
+    )
+    return f"k-FED restarts={restarts} filter={min_size:g} seeding={seeding} labels={label_mode}" + (
+        " (default)" if default else ""
+    )
 
 
 @dataclass
@@ -90,8 +103,16 @@ def k_choice(problem: Problem, local, params: AlgorithmParams) -> KChoiceRow:
     top = min(max(2 * problem.k, 20), len(local.counts) - 1)
     start = time.perf_counter()
     result = sweep(local.centers, local.counts, local.sse, local.devices, local.local_ids, k_values(2, top), params)
-    return KChoiceRow(problem.name, problem.k, f"2..{top}", result.recommended_k, result.choices["bic"],
-                      result.choices["silhouette"], result.choices["noise_ratio"], round(time.perf_counter() - start, 2))
+    return KChoiceRow(
+        problem.name,
+        problem.k,
+        f"2..{top}",
+        result.recommended_k,
+        result.choices["bic"],
+        result.choices["silhouette"],
+        result.choices["noise_ratio"],
+        round(time.perf_counter() - start, 2),
+    )
 
 
 @dataclass(frozen=True)
@@ -135,10 +156,12 @@ def with_outlier_devices(table: pa.Table, devices: np.ndarray, seed: int) -> tup
     dim, k = SYNTHETIC["dim"], SYNTHETIC["k"]
     spots = rng.normal(0.0, 10 * MEAN_SCALE, size=(OUTLIER_DEVICES, dim))
     x = np.repeat(spots, OUTLIER_ROWS, axis=0) + rng.standard_normal((OUTLIER_DEVICES * OUTLIER_ROWS, dim))
-    extra = pa.table({
-        "features": features_array(x),
-        "true_cluster": pa.array(np.repeat(np.arange(k, k + OUTLIER_DEVICES), OUTLIER_ROWS), pa.int32()),
-    })
+    extra = pa.table(
+        {
+            "features": features_array(x),
+            "true_cluster": pa.array(np.repeat(np.arange(k, k + OUTLIER_DEVICES), OUTLIER_ROWS), pa.int32()),
+        }
+    )
     joined = pa.concat_tables([table.select(["features", "true_cluster"]), extra])
     new_devices = np.repeat(np.arange(OUTLIER_DEVICES), OUTLIER_ROWS) + devices.max() + 1
     return joined, np.concatenate([devices, new_devices])
@@ -149,8 +172,19 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[Qua
 
     def add(method: str, k_per_device: str, labels: np.ndarray, seconds: float) -> None:
         cells = contingency(problem.truth, labels)
-        rows.append(QualityRow(problem.name, method, problem.k, k_per_device, ari_of(cells), nmi_of(cells),
-                               cost_of_labels(problem.x, labels), 0.0, round(seconds, 2)))
+        rows.append(
+            QualityRow(
+                problem.name,
+                method,
+                problem.k,
+                k_per_device,
+                ari_of(cells),
+                nmi_of(cells),
+                cost_of_labels(problem.x, labels),
+                0.0,
+                round(seconds, 2),
+            )
+        )
 
     k_z = min(K_PER_DEVICE.get(problem.name, 2), problem.k)
     for restarts in RESTARTS_TRIED:  # the local step depends on the restarts only: run it once for each
@@ -162,18 +196,30 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[Qua
             choice = k_choice(problem, local, dataclasses.replace(local_params, k=2))
         for _, min_size, seeding, label_mode in (c for c in COMBINATIONS if c[0] == restarts):
             start = time.perf_counter()
-            params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed, local_restarts=restarts,
-                                     robust_min_size=min_size, seeding=seeding, label_mode=label_mode)
+            params = AlgorithmParams(
+                k=problem.k,
+                k_per_device=k_z,
+                seed=seed,
+                local_restarts=restarts,
+                robust_min_size=min_size,
+                seeding=seeding,
+                label_mode=label_mode,
+            )
             result = federated_kmeans(problem.x, problem.devices, params, local)
-            add(combination_name(restarts, min_size, seeding, label_mode), str(k_z), result.labels,
-                local_seconds + time.perf_counter() - start)
+            add(
+                combination_name(restarts, min_size, seeding, label_mode),
+                str(k_z),
+                result.labels,
+                local_seconds + time.perf_counter() - start,
+            )
     start = time.perf_counter()
     params = AlgorithmParams(k=problem.k, k_per_device="auto", seed=seed)
     result = federated_kmeans(problem.x, problem.devices, params)
     add("k-FED default settings", "auto", result.labels, time.perf_counter() - start)
     params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed)
-    yesterday = federated_kmeans(problem.x, problem.devices, AlgorithmParams(k=problem.k, k_per_device=k_z,
-                                                                             seed=seed + 1))
+    yesterday = federated_kmeans(
+        problem.x, problem.devices, AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed + 1)
+    )
     start = time.perf_counter()
     warm = federated_kmeans(problem.x, problem.devices, params, initial=yesterday.server.centers)
     add(WARM_START, str(k_z), warm.labels, time.perf_counter() - start)
@@ -222,8 +268,9 @@ def combination_summary(rows: list[QualityRow]) -> tuple[list[str], str]:
         "| combination | " + " | ".join(datasets) + " | largest shortfall from the best |",
         "| --- | " + " | ".join("---:" for _ in datasets) + " | ---: |",
     ]
-    lines += [f"| {n} | " + " | ".join(f"{ari[d, n]:.3f}" for d in datasets) + f" | {shortfall[n]:.3f} |"
-              for n in names]
+    lines += [
+        f"| {n} | " + " | ".join(f"{ari[d, n]:.3f}" for d in datasets) + f" | {shortfall[n]:.3f} |" for n in names
+    ]
     return lines, min(names, key=lambda n: shortfall[n])
 
 
@@ -244,23 +291,29 @@ def markdown(rows: list[QualityRow], command: str, choices: list[KChoiceRow] = (
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {r.dataset} | {r.method} | {r.k} | {r.k_per_device} | {r.ari:.3f} | {r.nmi:.3f} | {r.cost_ratio:.3f} | {r.seconds:.1f} |"
+        f"| {r.dataset} | {r.method} | {r.k} | {r.k_per_device} | {r.ari:.3f} | {r.nmi:.3f} | {r.cost_ratio:.3f} "
+        f"| {r.seconds:.1f} |"
         for r in rows
     ]
     if choices:
         lines += [
-            "", "Choosing k: the k sweep over the default settings' local centers (kfed-spark choose-k) against the "
-            "true k", "",
+            "",
+            "Choosing k: the k sweep over the default settings' local centers (kfed-spark choose-k) against the true k",
+            "",
             "| dataset | true k | swept | recommended k | BIC's k | silhouette's k | noise ratio's k | seconds |",
             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
-        lines += [f"| {c.dataset} | {c.true_k} | {c.swept} | {c.recommended_k} | {c.bic_k} | {c.silhouette_k} | "
-                  f"{'-' if c.noise_ratio_k is None else c.noise_ratio_k} | {c.seconds:.1f} |" for c in choices]
+        lines += [
+            f"| {c.dataset} | {c.true_k} | {c.swept} | {c.recommended_k} | {c.bic_k} | {c.silhouette_k} | "
+            f"{'-' if c.noise_ratio_k is None else c.noise_ratio_k} | {c.seconds:.1f} |"
+            for c in choices
+        ]
     return "\n".join(lines) + "\n"
 
 
-def bench_quality(spark, names: list[str], out: Path, data_dir: str | None, max_devices: int | None, seed: int,
-                  command: str) -> list[QualityRow]:
+def bench_quality(
+    spark, names: list[str], out: Path, data_dir: str | None, max_devices: int | None, seed: int, command: str
+) -> list[QualityRow]:
     out.mkdir(parents=True, exist_ok=True)
     rows, choices = [], []
     for problem in problems(names, data_dir, max_devices, seed):

@@ -7,16 +7,21 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kfed_spark.workers import features_array
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.kernels import device_rng
+from kfed_spark.workers import features_array
 
 MEAN_SCALE = 4.0
 """Cluster means are drawn from N(0, MEAN_SCALE^2 I); points add N(0, I) noise: well separated."""
 
 
 def mixture(
-    k: int, k_per_device: int | tuple[int, int], devices: int, points_per_device: int, dim: int, seed: int,
+    k: int,
+    k_per_device: int | tuple[int, int],
+    devices: int,
+    points_per_device: int,
+    dim: int,
+    seed: int,
     wide: int = 0,
 ) -> pa.Table:
     """Each device holds k_per_device of the k clusters (drawn without replacement) in equal odds.
@@ -77,8 +82,9 @@ CLOSE_SEPARATION = 4.0 * np.sqrt(2.0)
 standard deviations (two clusters' 2-sigma spheres touch along the line between them)."""
 
 
-def close_means_mixture(seed: int, k: int = 49, per_device: int = 7, devices: int = 300, dim: int = 32,
-                        rows: tuple[int, int] = (50, 800)) -> pa.Table:
+def close_means_mixture(
+    seed: int, k: int = 49, per_device: int = 7, devices: int = 300, dim: int = 32, rows: tuple[int, int] = (50, 800)
+) -> pa.Table:
     """A harder heterogeneous mixture: close cluster means (CLOSE_SEPARATION) and uneven devices,
     each holding per_device of the k clusters and rows[0] to rows[1] rows. Columns as mixture()."""
     means = np.random.default_rng([seed, 0xC105E]).normal(size=(k, dim))
@@ -92,8 +98,9 @@ UNEVEN_DECAY = 0.9
 """uneven_mixture: cluster j's share of the rows is proportional to UNEVEN_DECAY^j."""
 
 
-def uneven_mixture(seed: int, k: int = 36, k_per_device: int = 4, devices: int = 300, dim: int = 16,
-                   rows: tuple[int, int] = (50, 400)) -> pa.Table:
+def uneven_mixture(
+    seed: int, k: int = 36, k_per_device: int = 4, devices: int = 300, dim: int = 16, rows: tuple[int, int] = (50, 400)
+) -> pa.Table:
     """A heterogeneous mixture of very uneven cluster sizes: well separated means (as mixture()'s), each
     device holding k_per_device clusters drawn evenly and rows[0] to rows[1] rows, shared among its
     clusters in proportion to UNEVEN_DECAY^j (at k = 36 the rarest clusters hold under 1% of the rows).
@@ -102,8 +109,15 @@ def uneven_mixture(seed: int, k: int = 36, k_per_device: int = 4, devices: int =
     return devices_table(means, seed, "uneven", devices, k_per_device, rows, UNEVEN_DECAY ** np.arange(k))
 
 
-def devices_table(means: np.ndarray, seed: int, key: str, devices: int, per_device: int, rows: tuple[int, int],
-                  shares: np.ndarray | None = None) -> pa.Table:
+def devices_table(
+    means: np.ndarray,
+    seed: int,
+    key: str,
+    devices: int,
+    per_device: int,
+    rows: tuple[int, int],
+    shares: np.ndarray | None = None,
+) -> pa.Table:
     """Devices of rows[0] to rows[1] rows, each holding per_device of the clusters of `means` (drawn
     evenly), each row's cluster drawn evenly among them or in proportion to `shares`, plus unit
     Gaussian noise; drawn device by device from (seed, key, device). Columns as mixture()."""
@@ -112,19 +126,24 @@ def devices_table(means: np.ndarray, seed: int, key: str, devices: int, per_devi
         rng = device_rng(seed, (key, device))
         held = rng.choice(len(means), size=per_device, replace=False)
         n = int(rng.integers(rows[0], rows[1] + 1))
-        picked = (rng.integers(0, per_device, size=n) if shares is None
-                  else rng.choice(per_device, size=n, p=shares[held] / shares[held].sum()))
+        picked = (
+            rng.integers(0, per_device, size=n)
+            if shares is None
+            else rng.choice(per_device, size=n, p=shares[held] / shares[held].sum())
+        )
         truth = held[picked]
         parts.append(means[truth] + rng.standard_normal((n, means.shape[1])))
         truths.append(truth.astype(np.int32))
         owners.append(np.full(n, device, dtype=np.int64))
     features = np.concatenate(parts)
-    return pa.table({
-        "row_id": pa.array(np.arange(len(features), dtype=np.int64)),
-        "device_id": pa.array(np.concatenate(owners)),
-        "features": features_array(features),
-        "true_cluster": pa.array(np.concatenate(truths)),
-    })
+    return pa.table(
+        {
+            "row_id": pa.array(np.arange(len(features), dtype=np.int64)),
+            "device_id": pa.array(np.concatenate(owners)),
+            "features": features_array(features),
+            "true_cluster": pa.array(np.concatenate(truths)),
+        }
+    )
 
 
 def write_mixture(path: str | Path, **kwargs) -> pa.Table:
@@ -134,8 +153,15 @@ def write_mixture(path: str | Path, **kwargs) -> pa.Table:
     return table
 
 
-def two_days(k: int = 20, k_per_device: int = 4, devices: int = 200, points_per_device: int = 100, dim: int = 16,
-             seed: int = 0, replaced: float = 0.15) -> tuple[pa.Table, pa.Table]:
+def two_days(
+    k: int = 20,
+    k_per_device: int = 4,
+    devices: int = 200,
+    points_per_device: int = 100,
+    dim: int = 16,
+    seed: int = 0,
+    replaced: float = 0.15,
+) -> tuple[pa.Table, pa.Table]:
     """Two days of one device population, as a nightly run sees them (columns as mixture()).
 
     Day 1: k clusters (means as mixture()'s) over `devices` devices, each holding k_per_device of
@@ -148,8 +174,9 @@ def two_days(k: int = 20, k_per_device: int = 4, devices: int = 200, points_per_
     step = rng.standard_normal(dim)
     day_two_means = means.copy()
     day_two_means[0] += step / np.linalg.norm(step)
-    held = np.array([device_rng(seed, ("held", device)).choice(k, size=k_per_device, replace=False)
-                     for device in range(devices)])
+    held = np.array(
+        [device_rng(seed, ("held", device)).choice(k, size=k_per_device, replace=False) for device in range(devices)]
+    )
     n_replaced = int(round(replaced * devices))
     replacing = held[:n_replaced].copy()  # a replaced device's successor holds what it held
     day_two_held = np.concatenate([held[n_replaced:], replacing])
@@ -164,11 +191,13 @@ def two_days(k: int = 20, k_per_device: int = 4, devices: int = 200, points_per_
             parts.append(day_means[truth] + draw.standard_normal((points_per_device, dim)))
             truths.append(truth.astype(np.int32))
         features = np.concatenate(parts)
-        return pa.table({
-            "row_id": pa.array(np.arange(len(features), dtype=np.int64)),
-            "device_id": pa.array(np.repeat(np.asarray(ids, dtype=np.int64), points_per_device)),
-            "features": features_array(features),
-            "true_cluster": pa.array(np.concatenate(truths)),
-        })
+        return pa.table(
+            {
+                "row_id": pa.array(np.arange(len(features), dtype=np.int64)),
+                "device_id": pa.array(np.repeat(np.asarray(ids, dtype=np.int64), points_per_device)),
+                "features": features_array(features),
+                "true_cluster": pa.array(np.concatenate(truths)),
+            }
+        )
 
     return day(means, held, np.arange(devices), "day-1"), day(day_two_means, day_two_held, day_two_ids, "day-2")
