@@ -1,7 +1,16 @@
 """k-FED as a pyspark.ml estimator, in the style of pyspark.ml.clustering.KMeans.
 
->>> model = KFed(k=4, kPerDevice=2, deviceCol="device_id", seed=1).fit(df)      # doctest: +SKIP
->>> model.transform(df).select("device_id", "prediction", "local_prediction")  # doctest: +SKIP
+>>> from kfed_spark.bench.synthetic import mixture
+>>> df = spark.createDataFrame(mixture(k=4, k_per_device=2, devices=20, points_per_device=30, dim=4, seed=1))
+>>> model = KFed(k=4, kPerDevice=2, seed=1).fit(df)
+>>> model.getK(), len(model.clusterCenters()), model.summary.numDevices
+(4, 4, 20)
+>>> model.transform(df).select("device_id", "prediction", "local_prediction").distinct().count()
+40
+>>> model.sweepK((2, 8)).recommended_k  # k from the local centers, no pass over the rows
+4
+>>> KFed(k="auto", kRange=(2, 8), kPerDevice=2).fit(df).getK()
+4
 >>> model.write().overwrite().save(path); KFedModel.load(path)                 # doctest: +SKIP
 >>> KFedModel.from_run("/data/kfed", "2026-11-29")                             # doctest: +SKIP
 
@@ -12,11 +21,11 @@ saved KFedModel serves `kfed-spark assign` and `stream` with --model PATH (kfed_
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
+from pyspark import keyword_only
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
@@ -28,50 +37,290 @@ from kfed_spark.identity import match_clusters
 from kfed_spark.io import OutputTables
 from kfed_spark.k_sweep import KSweep, k_values
 from kfed_spark.models import SAVED_LOCAL_CENTERS, StoredModel, read_saved, saved_cluster_ids, stored_model
-from kfed_spark.params import AlgorithmParams
+from kfed_spark.params import AlgorithmParams, camel
 from kfed_spark.workers import SQ_DIST_COL
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.capitalize() for part in rest)
+def _int_or_text(value: object) -> int | str:
+    """k and k_per_device: a number, or text ('auto', a column's name)."""
+    return value if isinstance(value, str) else TypeConverters.toInt(value)
 
 
-def _converter(kind: str):
-    """The Param type converter for an AlgorithmParams field's annotation."""
-    if kind == "int | str":
-        return lambda value: value if isinstance(value, str) else TypeConverters.toInt(value)
-    if kind == "tuple[int, int]":
-        return lambda value: tuple(TypeConverters.toListInt(value))
-    return {"int": TypeConverters.toInt, "float": TypeConverters.toFloat, "str": TypeConverters.toString}[kind]
+def _int_pair(value: object) -> tuple[int, int]:
+    """k_range: two integers, however the params were saved (a JSON list)."""
+    return tuple(TypeConverters.toListInt(value))
 
 
-ALGORITHM_PARAMS = {_camel(spec.name): spec for spec in fields(AlgorithmParams)}
+ALGORITHM_PARAMS = {camel(spec.name): spec for spec in fields(AlgorithmParams)}
 """Estimator Param name -> the row of kfed_spark.params it stands for."""
-
-COLUMN_PARAMS = {
-    "deviceCol": ("device_id", "device id column."),
-    "featuresCol": ("features", "features column: an array of numbers or a Spark ML vector."),
-    "predictionCol": ("prediction", "output column of the global cluster."),
-    "localPredictionCol": ("local_prediction", "output column of the local cluster within the device."),
-    "distanceCol": ("", "output column of the row's distance to its global center; empty: not added."),
-    "marginCol": ("", "output column of the row's margin, (d_other - d) / (d_other + d); empty: not added."),
-}
-"""Param name -> (default, meaning) of the columns the estimator reads and writes."""
 
 
 class _KFedParams(Params):
-    """Params shared by KFed and KFedModel: one per row of AlgorithmParams, plus the column names.
-
-    Each Param has a getter (getK, getKPerDevice, ...); KFed also has a setter for each.
-    """
+    """Params shared by KFed and KFedModel: one per row of AlgorithmParams, plus the columns it reads and
+    writes (kfed_spark.params.ESTIMATOR_COLUMNS), each with a getter; KFed also has a setter for each.
+    The declarations between the GENERATED lines are written by kfed_spark.params_codegen."""
 
     def __init__(self, *args):
         super().__init__(*args)
+        self._declared_defaults()
+
+    # BEGIN GENERATED params
+    k: Param[int | str] = Param(
+        Params._dummy(),
+        "k",
+        "number of global clusters, or 'auto': after the local step the run sweeps k_range over the local"
+        " centers and takes the k the sweep recommends (kfed_spark.k_sweep), with no extra pass over the "
+        "rows.",
+        typeConverter=_int_or_text,
+    )
+
+    kRange: Param[tuple[int, int]] = Param(
+        Params._dummy(),
+        "kRange",
+        "with k 'auto': the smallest and largest k swept, both included.",
+        typeConverter=_int_pair,
+    )
+
+    kPerDevice: Param[int | str] = Param(
+        Params._dummy(),
+        "kPerDevice",
+        "local clusters per device: an integer in [1, k], 'auto' (each device estimates its own), or a "
+        "column of the input or a side table (device column + k).",
+        typeConverter=_int_or_text,
+    )
+
+    kPerDeviceMax: Param[int] = Param(
+        Params._dummy(),
+        "kPerDeviceMax",
+        "with k_per_device 'auto': the largest k a device may estimate.",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    seeding: Param[str] = Param(
+        Params._dummy(),
+        "seeding",
+        "server seeding rule: kmeanspp (count-weighted greedy k-means++, best of several, on a sample of "
+        "the local centers when they are many) or farthest (the paper's farthest-point); robust is an "
+        "older name for farthest.",
+        typeConverter=TypeConverters.toString,
+    )
+
+    robustMinSize: Param[float] = Param(
+        Params._dummy(),
+        "robustMinSize",
+        "outlier filter of the server step: local centers backed by fewer rows than this times the median"
+        " center's are left out of seeding and refinement and assigned at the end; 0 turns it off.",
+        typeConverter=TypeConverters.toFloat,
+    )
+
+    localRestarts: Param[int] = Param(
+        Params._dummy(),
+        "localRestarts",
+        "rough clusterings each device tries in its projection; it keeps the lowest-cost one.",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    serverRefine: Param[str] = Param(
+        Params._dummy(),
+        "serverRefine",
+        "lloyd (count-weighted Lloyd over the local centers) or none (the paper).",
+        typeConverter=TypeConverters.toString,
+    )
+
+    serverStep: Param[str] = Param(
+        Params._dummy(),
+        "serverStep",
+        "where the server step runs: driver (every local center in the driver's memory), distributed "
+        "(Spark partitions reduce the local centers to weighted representatives, the driver merges those)"
+        " or auto (distributed above server_distributed_above local centers).",
+        typeConverter=TypeConverters.toString,
+    )
+
+    serverDistributedAbove: Param[int] = Param(
+        Params._dummy(),
+        "serverDistributedAbove",
+        "with server_step auto: the most local centers the driver merges itself.",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    serverRepresentatives: Param[int] = Param(
+        Params._dummy(),
+        "serverRepresentatives",
+        "distributed server step: weighted representatives each partition keeps, per global cluster.",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    labelMode: Param[str] = Param(
+        Params._dummy(),
+        "labelMode",
+        "induced (a row takes the global cluster of its device's nearest local center) or nearest (the "
+        "nearest global center).",
+        typeConverter=TypeConverters.toString,
+    )
+
+    maxIter: Param[int] = Param(
+        Params._dummy(),
+        "maxIter",
+        "most Lloyd rounds, on each device and on the server.",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    tol: Param[float] = Param(
+        Params._dummy(),
+        "tol",
+        "Lloyd stops when the centers move less than tol times the data's total variance.",
+        typeConverter=TypeConverters.toFloat,
+    )
+
+    maxRowsPerDevice: Param[int] = Param(
+        Params._dummy(),
+        "maxRowsPerDevice",
+        "a larger device is clustered on a deterministic sample of this many rows.",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    seed: Param[int] = Param(
+        Params._dummy(),
+        "seed",
+        "seed of every random draw, with the device id.",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    deviceCol: Param[str] = Param(
+        Params._dummy(),
+        "deviceCol",
+        "device id column.",
+        typeConverter=TypeConverters.toString,
+    )
+
+    featuresCol: Param[str] = Param(
+        Params._dummy(),
+        "featuresCol",
+        "features column: an array of numbers or a Spark ML vector.",
+        typeConverter=TypeConverters.toString,
+    )
+
+    predictionCol: Param[str] = Param(
+        Params._dummy(),
+        "predictionCol",
+        "output column of the global cluster.",
+        typeConverter=TypeConverters.toString,
+    )
+
+    localPredictionCol: Param[str] = Param(
+        Params._dummy(),
+        "localPredictionCol",
+        "output column of the local cluster within the device.",
+        typeConverter=TypeConverters.toString,
+    )
+
+    distanceCol: Param[str] = Param(
+        Params._dummy(),
+        "distanceCol",
+        "output column of the row's distance to its global center; empty: not added.",
+        typeConverter=TypeConverters.toString,
+    )
+
+    marginCol: Param[str] = Param(
+        Params._dummy(),
+        "marginCol",
+        "output column of the row's margin, (d_other - d) / (d_other + d); empty: not added.",
+        typeConverter=TypeConverters.toString,
+    )
+
+    def _declared_defaults(self) -> None:
         self._setDefault(
-            **{name: spec.default for name, spec in ALGORITHM_PARAMS.items()},
-            **{name: default for name, (default, _) in COLUMN_PARAMS.items()},
+            k=8,
+            kRange=(2, 30),
+            kPerDevice=2,
+            kPerDeviceMax=16,
+            seeding="kmeanspp",
+            robustMinSize=0.25,
+            localRestarts=3,
+            serverRefine="lloyd",
+            serverStep="auto",
+            serverDistributedAbove=2000000,
+            serverRepresentatives=2,
+            labelMode="induced",
+            maxIter=100,
+            tol=1e-08,
+            maxRowsPerDevice=100000,
+            seed=0,
+            deviceCol="device_id",
+            featuresCol="features",
+            predictionCol="prediction",
+            localPredictionCol="local_prediction",
+            distanceCol="",
+            marginCol="",
         )
+
+    def getK(self) -> int | str:
+        return self.getOrDefault(self.k)
+
+    def getKRange(self) -> tuple[int, int]:
+        return self.getOrDefault(self.kRange)
+
+    def getKPerDevice(self) -> int | str:
+        return self.getOrDefault(self.kPerDevice)
+
+    def getKPerDeviceMax(self) -> int:
+        return self.getOrDefault(self.kPerDeviceMax)
+
+    def getSeeding(self) -> str:
+        return self.getOrDefault(self.seeding)
+
+    def getRobustMinSize(self) -> float:
+        return self.getOrDefault(self.robustMinSize)
+
+    def getLocalRestarts(self) -> int:
+        return self.getOrDefault(self.localRestarts)
+
+    def getServerRefine(self) -> str:
+        return self.getOrDefault(self.serverRefine)
+
+    def getServerStep(self) -> str:
+        return self.getOrDefault(self.serverStep)
+
+    def getServerDistributedAbove(self) -> int:
+        return self.getOrDefault(self.serverDistributedAbove)
+
+    def getServerRepresentatives(self) -> int:
+        return self.getOrDefault(self.serverRepresentatives)
+
+    def getLabelMode(self) -> str:
+        return self.getOrDefault(self.labelMode)
+
+    def getMaxIter(self) -> int:
+        return self.getOrDefault(self.maxIter)
+
+    def getTol(self) -> float:
+        return self.getOrDefault(self.tol)
+
+    def getMaxRowsPerDevice(self) -> int:
+        return self.getOrDefault(self.maxRowsPerDevice)
+
+    def getSeed(self) -> int:
+        return self.getOrDefault(self.seed)
+
+    def getDeviceCol(self) -> str:
+        return self.getOrDefault(self.deviceCol)
+
+    def getFeaturesCol(self) -> str:
+        return self.getOrDefault(self.featuresCol)
+
+    def getPredictionCol(self) -> str:
+        return self.getOrDefault(self.predictionCol)
+
+    def getLocalPredictionCol(self) -> str:
+        return self.getOrDefault(self.localPredictionCol)
+
+    def getDistanceCol(self) -> str:
+        return self.getOrDefault(self.distanceCol)
+
+    def getMarginCol(self) -> str:
+        return self.getOrDefault(self.marginCol)
+
+    # END GENERATED params
 
     def _config(self) -> KFedConfig:
         """The params as the job's configuration, so both run one implementation."""
@@ -85,26 +334,75 @@ class _KFedParams(Params):
         return cfg
 
 
-def _declare(params: dict[str, tuple[Param, object]], with_setters: type) -> None:
-    """Put each Param and its getter on _KFedParams, and its setter on with_setters."""
-    for name, (param, _) in params.items():
-        accessor = name[0].upper() + name[1:]
-        setattr(_KFedParams, name, param)
-        setattr(_KFedParams, f"get{accessor}", lambda self, name=name: self.getOrDefault(name))
-        setattr(with_setters, f"set{accessor}", lambda self, value, name=name: self._set(**{name: value}))
-
-
 class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
     """One-shot federated k-means (k-FED): each device clusters its rows once, the driver merges.
 
-    Takes every Param as a keyword (see the signature); each also has a getter and a setter.
+    Takes every Param as a keyword; each also has a getter and a setter.
     """
 
-    def __init__(self, **params):
+    # BEGIN GENERATED init
+    @keyword_only
+    def __init__(
+        self,
+        *,
+        k: int | str = 8,
+        kRange: tuple[int, int] = (2, 30),
+        kPerDevice: int | str = 2,
+        kPerDeviceMax: int = 16,
+        seeding: str = "kmeanspp",
+        robustMinSize: float = 0.25,
+        localRestarts: int = 3,
+        serverRefine: str = "lloyd",
+        serverStep: str = "auto",
+        serverDistributedAbove: int = 2000000,
+        serverRepresentatives: int = 2,
+        labelMode: str = "induced",
+        maxIter: int = 100,
+        tol: float = 1e-08,
+        maxRowsPerDevice: int = 100000,
+        seed: int = 0,
+        deviceCol: str = "device_id",
+        featuresCol: str = "features",
+        predictionCol: str = "prediction",
+        localPredictionCol: str = "local_prediction",
+        distanceCol: str = "",
+        marginCol: str = "",
+    ) -> None:
         super().__init__()
         self._reference: KFedModel | None = None
         self._warm_start = False
-        self.setParams(**params)
+        self._set(**self._input_kwargs)
+
+    @keyword_only
+    def setParams(
+        self,
+        *,
+        k: int | str = 8,
+        kRange: tuple[int, int] = (2, 30),
+        kPerDevice: int | str = 2,
+        kPerDeviceMax: int = 16,
+        seeding: str = "kmeanspp",
+        robustMinSize: float = 0.25,
+        localRestarts: int = 3,
+        serverRefine: str = "lloyd",
+        serverStep: str = "auto",
+        serverDistributedAbove: int = 2000000,
+        serverRepresentatives: int = 2,
+        labelMode: str = "induced",
+        maxIter: int = 100,
+        tol: float = 1e-08,
+        maxRowsPerDevice: int = 100000,
+        seed: int = 0,
+        deviceCol: str = "device_id",
+        featuresCol: str = "features",
+        predictionCol: str = "prediction",
+        localPredictionCol: str = "local_prediction",
+        distanceCol: str = "",
+        marginCol: str = "",
+    ) -> KFed:
+        return self._set(**self._input_kwargs)
+
+    # END GENERATED init
 
     def setReferenceModel(self, model: "KFedModel | None", warmStart: bool = False) -> "KFed":
         """Fit with ids matched to an earlier model's (as `identity.mode: stable` matches a run to its
@@ -114,11 +412,74 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         self._reference, self._warm_start = model, warmStart
         return self
 
-    def setParams(self, **params) -> "KFed":
-        unknown = sorted(set(params) - set(_ALL_PARAMS))
-        if unknown:
-            raise TypeError(f"KFed has no param {unknown[0]!r}; params: {', '.join(_ALL_PARAMS)}")
-        return self._set(**params)
+    # BEGIN GENERATED setters
+    def setK(self, value: int | str) -> KFed:
+        return self._set(k=value)
+
+    def setKRange(self, value: tuple[int, int]) -> KFed:
+        return self._set(kRange=value)
+
+    def setKPerDevice(self, value: int | str) -> KFed:
+        return self._set(kPerDevice=value)
+
+    def setKPerDeviceMax(self, value: int) -> KFed:
+        return self._set(kPerDeviceMax=value)
+
+    def setSeeding(self, value: str) -> KFed:
+        return self._set(seeding=value)
+
+    def setRobustMinSize(self, value: float) -> KFed:
+        return self._set(robustMinSize=value)
+
+    def setLocalRestarts(self, value: int) -> KFed:
+        return self._set(localRestarts=value)
+
+    def setServerRefine(self, value: str) -> KFed:
+        return self._set(serverRefine=value)
+
+    def setServerStep(self, value: str) -> KFed:
+        return self._set(serverStep=value)
+
+    def setServerDistributedAbove(self, value: int) -> KFed:
+        return self._set(serverDistributedAbove=value)
+
+    def setServerRepresentatives(self, value: int) -> KFed:
+        return self._set(serverRepresentatives=value)
+
+    def setLabelMode(self, value: str) -> KFed:
+        return self._set(labelMode=value)
+
+    def setMaxIter(self, value: int) -> KFed:
+        return self._set(maxIter=value)
+
+    def setTol(self, value: float) -> KFed:
+        return self._set(tol=value)
+
+    def setMaxRowsPerDevice(self, value: int) -> KFed:
+        return self._set(maxRowsPerDevice=value)
+
+    def setSeed(self, value: int) -> KFed:
+        return self._set(seed=value)
+
+    def setDeviceCol(self, value: str) -> KFed:
+        return self._set(deviceCol=value)
+
+    def setFeaturesCol(self, value: str) -> KFed:
+        return self._set(featuresCol=value)
+
+    def setPredictionCol(self, value: str) -> KFed:
+        return self._set(predictionCol=value)
+
+    def setLocalPredictionCol(self, value: str) -> KFed:
+        return self._set(localPredictionCol=value)
+
+    def setDistanceCol(self, value: str) -> KFed:
+        return self._set(distanceCol=value)
+
+    def setMarginCol(self, value: str) -> KFed:
+        return self._set(marginCol=value)
+
+    # END GENERATED setters
 
     def _fit(self, dataset: DataFrame) -> "KFedModel":
         reference = None if self._reference is None else self._reference._stored
@@ -264,27 +625,6 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
     @classmethod
     def read(cls) -> MLReader["KFedModel"]:
         return _KFedModelReader(cls)
-
-
-_ALL_PARAMS = {
-    **{
-        name: (Param(Params._dummy(), name, spec.metadata["doc"] + ".", _converter(spec.type)), spec.default)
-        for name, spec in ALGORITHM_PARAMS.items()
-    },
-    **{
-        name: (Param(Params._dummy(), name, doc, TypeConverters.toString), default)
-        for name, (default, doc) in COLUMN_PARAMS.items()
-    },
-}
-"""Every Param of KFed and KFedModel with its default."""
-_declare(_ALL_PARAMS, KFed)
-KFed.__init__.__signature__ = inspect.Signature(
-    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    + [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, (_, default) in _ALL_PARAMS.items()
-    ]
-)
 
 
 class _DataFrameWriter(MLWriter):

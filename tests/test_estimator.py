@@ -199,3 +199,26 @@ def test_k_auto_and_a_sweep_of_a_fitted_model(spark, mixture_path, tmp_path):
         "auto",
         (3, 20),
     )
+
+
+def test_the_params_are_declared_as_the_parameter_table_generates_them():
+    """estimator.py's GENERATED blocks are what kfed_spark.params_codegen writes from kfed_spark.params:
+    after a change to the table, `python -m kfed_spark.params_codegen` rewrites them."""
+    from dataclasses import fields
+
+    from kfed_spark.params import ESTIMATOR_COLUMNS, AlgorithmParams, camel
+    from kfed_spark.params_codegen import ESTIMATOR, rewritten
+
+    assert rewritten(ESTIMATOR.read_text()) == ESTIMATOR.read_text()
+    table = [camel(spec.name) for spec in fields(AlgorithmParams)] + list(ESTIMATOR_COLUMNS)
+    assert sorted(param.name for param in KFed().params) == sorted(table)
+    assert all(hasattr(KFed, f"set{name[0].upper()}{name[1:]}") for name in table)
+
+
+def test_the_module_s_example_runs(spark):
+    import doctest
+
+    import kfed_spark.estimator as estimator
+
+    result = doctest.testmod(estimator, extraglobs={"spark": spark}, report=True)
+    assert result.attempted >= 7 and result.failed == 0
