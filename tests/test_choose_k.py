@@ -1,4 +1,4 @@
-"""Choosing k: `kfed-spark choose-k` over a published run's local centers, and runs with k: auto."""
+"""Choosing k: runs with k: auto, and `kfed-spark choose-k` over a published run's local centers."""
 
 import json
 
@@ -14,13 +14,16 @@ from kfed_spark.report import K_SWEEP_FILES
 TRUE_K = MIXTURE["k"]
 
 
-def test_a_k_auto_run_sweeps_chooses_records_and_a_rerun_chooses_the_same(spark, config, tmp_path, capsys):
+def test_k_auto_runs_and_choose_k_sweep_published_attempts_only(spark, config, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
+    assert main(["choose-k", "--output", str(out), "--k", "2:20"]) != 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("kfed-spark: error: no succeeded run under")
+
+    # k: auto sweeps after the local step, chooses, records; the same input chooses the same k again.
     auto = ("k=auto", "k_range=[3, 20]")
     assert main(["run", "--config", str(config), "--dry-run", *[a for item in auto for a in ("--set", item)]]) == 0
-    assert (
-        "k = auto (after the local step, a sweep of k = 3..20 over the local centers chooses it)"
-        in capsys.readouterr().out
+    assert "k = auto (after the local step, a sweep of k = 3..20 over the local centers chooses it)" in (
+        capsys.readouterr().out
     )
     assert run_cli(config, *auto) == 0
     assert run_cli(config, *auto, "run_id=again") == 0
@@ -33,34 +36,27 @@ def test_a_k_auto_run_sweeps_chooses_records_and_a_rerun_chooses_the_same(spark,
     labels = published(spark, out, "labels").filter(F.col("run_id") == "first")
     assert labels.select("cluster_id").distinct().count() == TRUE_K and labels.count() == 6000
     assert published(spark, out, "centers").filter(F.col("run_id") == "first").count() == TRUE_K
-    tables = OutputTables(spark, OutputConfig(path=str(out)))
-    swept = json.loads(tables.read_report("first", "k_sweep.json"))
+    swept = json.loads(OutputTables(spark, OutputConfig(path=str(out))).read_report("first", "k_sweep.json"))
     assert swept["recommended_k"] == TRUE_K and swept["attempt_id"] == rows["first"].attempt_id
 
-
-def test_choose_k_sweeps_only_a_published_attempt(spark, config, tmp_path, capsys, monkeypatch):
-    out = tmp_path / "out"
-    assert main(["choose-k", "--output", str(out), "--k", "2:20"]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("kfed-spark: error: no succeeded run under")
-    assert run_cli(config) == 0
+    # A failed attempt's local centers may be written; it is never swept.
     monkeypatch.setenv(FAULT_ENV, "fail:labels")
-    assert run_cli(config, "run_id=broken") == 2  # its local centers may be written; it is not published
+    assert run_cli(config, "run_id=broken") == 2
     monkeypatch.delenv(FAULT_ENV)
     capsys.readouterr()
     assert main(["choose-k", "--output", str(out), "--k", "2:20", "--run", "broken"]) != 0
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == f"kfed-spark: error: no published run 'broken' under {out}"
 
+    # choose-k sweeps the newest published run by default, and stores the sweep beside its report.
     assert main(["choose-k", "--output", str(out), "--k", "2:24:2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    first = next(row for row in runs_of(spark, out) if row.run_id == "first")
-    assert (result["run_id"], result["attempt_id"]) == ("first", first.attempt_id)
+    again = rows["again"]
+    assert (result["run_id"], result["attempt_id"]) == ("again", again.attempt_id)
     assert result["recommended_k"] == TRUE_K and [f["k"] for f in result["figures"]] == list(range(2, 25, 2))
-    assert result["n_local_centers"] == first.n_local_centers and result["n_rows"] == first.n_labelled
+    assert result["n_local_centers"] == again.n_local_centers and result["n_rows"] == again.n_labelled
     for name in K_SWEEP_FILES:
-        assert (out / "reports" / "first" / first.attempt_id / name).stat().st_size > 0
-
+        assert (out / "reports" / "again" / again.attempt_id / name).stat().st_size > 0
     assert main(["choose-k", "--output", str(out), "--k", "10:14", "--run", "first"]) == 0
     text = capsys.readouterr().out
     assert f"recommended k = {TRUE_K}:" in text and "<- recommended" in text
