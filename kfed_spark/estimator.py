@@ -116,7 +116,7 @@ class _KFedParams(Params):
     localRestarts: Param[int] = Param(
         Params._dummy(),
         "localRestarts",
-        "rough clusterings each device tries in its projection; it keeps the lowest-cost one.",
+        "rough clusterings each device tries in its projection (alg. 1); it keeps the lowest-cost one.",
         typeConverter=TypeConverters.toInt,
     )
 
@@ -153,8 +153,8 @@ class _KFedParams(Params):
     labelMode: Param[str] = Param(
         Params._dummy(),
         "labelMode",
-        "induced (a row takes the global cluster of its device's nearest local center) or nearest (the "
-        "nearest global center).",
+        "induced (a row takes the global cluster of its device's nearest local center, the paper's "
+        "section 3.2) or nearest (the nearest global center).",
         typeConverter=TypeConverters.toString,
     )
 
@@ -175,7 +175,8 @@ class _KFedParams(Params):
     maxRowsPerDevice: Param[int] = Param(
         Params._dummy(),
         "maxRowsPerDevice",
-        "a larger device is clustered on a deterministic sample of this many rows.",
+        "a larger device is clustered on a deterministic sample of this many rows (memory: rows x d x 8 "
+        "bytes); all its rows are labelled.",
         typeConverter=TypeConverters.toInt,
     )
 

@@ -112,7 +112,7 @@ class AlgorithmParams:
         "times the median center's are left out of seeding and refinement and assigned at the end; 0 turns it off",
     )
     local_restarts: int = param(
-        3, integer(1), "rough clusterings each device tries in its projection; it keeps the lowest-cost one"
+        3, integer(1), "rough clusterings each device tries in its projection (alg. 1); it keeps the lowest-cost one"
     )
     server_refine: str = param(
         "lloyd", one_of(*SERVER_REFINES), "lloyd (count-weighted Lloyd over the local centers) or none (the paper)"
@@ -133,15 +133,18 @@ class AlgorithmParams:
     label_mode: str = param(
         "induced",
         one_of(*LABEL_MODES),
-        "induced (a row takes the global cluster of its device's nearest local center) or nearest (the nearest "
-        "global center)",
+        "induced (a row takes the global cluster of its device's nearest local center, the paper's section 3.2) "
+        "or nearest (the nearest global center)",
     )
     max_iter: int = param(100, integer(1), "most Lloyd rounds, on each device and on the server")
     tol: float = param(
         1e-8, finite_number, "Lloyd stops when the centers move less than tol times the data's total variance"
     )
     max_rows_per_device: int = param(
-        100_000, integer(1), "a larger device is clustered on a deterministic sample of this many rows"
+        100_000,
+        integer(1),
+        "a larger device is clustered on a deterministic sample of this many rows (memory: rows x d x 8 bytes); "
+        "all its rows are labelled",
     )
     seed: int = param(0, integer(0), "seed of every random draw, with the device id")
 

@@ -1,11 +1,13 @@
-"""Writes the estimator's Param declarations into kfed_spark/estimator.py from the parameter table.
+"""Writes the estimator's Param declarations and the README's parameter table from the parameter table.
 
 pyspark declares its shared Params as code generated once and checked in (pyspark/ml/param/shared.py),
 so that a reader and an IDE see every Param, getter and keyword. The estimator's Params are the rows of
 kfed_spark.params.AlgorithmParams (camelCase) and its ESTIMATOR_COLUMNS; this module
 writes their declarations between the `# BEGIN GENERATED <block>` and `# END GENERATED <block>` lines of
-estimator.py. `python -m kfed_spark.params_codegen` rewrites them; tests/test_estimator.py fails when
-they differ from what it would write.
+estimator.py. The README's table of the parameters is written the same way, between the
+`<!-- BEGIN GENERATED parameters -->` and `<!-- END GENERATED parameters -->` lines. In a source checkout,
+`python -m kfed_spark.params_codegen` rewrites both; tests/test_estimator.py and tests/test_params.py
+fail when they differ from what it would write.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from kfed_spark.params import ESTIMATOR_COLUMNS, AlgorithmParams, camel
 
 ESTIMATOR = Path(__file__).with_name("estimator.py")
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 CONVERTERS = {
     "int": "TypeConverters.toInt",
@@ -102,6 +105,30 @@ def rewritten(text: str) -> str:
     return text
 
 
+def shown(value: object) -> str:
+    """A default as the README's table shows it."""
+    if isinstance(value, str):
+        return f"`{value}`"
+    if isinstance(value, tuple):
+        return f"`[{', '.join(map(str, value))}]`"
+    return str(value)
+
+
+def readme_table() -> str:
+    """The README's table of the parameters: the YAML key (the estimator's Param is its camelCase), default, meaning."""
+    rows = [f"| `{spec.name}` | {shown(spec.default)} | {spec.metadata['doc']} |" for spec in fields(AlgorithmParams)]
+    return "\n".join(["| key | default | meaning |", "| --- | --- | --- |", *rows]) + "\n"
+
+
+def rewritten_readme(text: str) -> str:
+    """The README's text with its parameter table as readme_table() writes it."""
+    pattern = re.compile(r"(<!-- BEGIN GENERATED parameters -->\n).*?(<!-- END GENERATED parameters -->\n)", re.S)
+    if not pattern.search(text):
+        raise ValueError("README.md has no generated block 'parameters'")
+    return pattern.sub(lambda match: match.group(1) + readme_table() + match.group(2), text)
+
+
 if __name__ == "__main__":
     ESTIMATOR.write_text(rewritten(ESTIMATOR.read_text()))
+    README.write_text(rewritten_readme(README.read_text()))
     sys.exit(0)

@@ -1,8 +1,9 @@
 """Configuration loading, overrides and validation messages."""
 
 import pytest
+import yaml
 
-from kfed_spark.config import load_config
+from kfed_spark.config import build_config, load_config
 from kfed_spark.errors import ConfigError
 
 BASE = ["input.path=/data/in", "output.path=/data/out"]
@@ -98,3 +99,15 @@ def test_missing_or_malformed_file(tmp_path):
     listing.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(listing)
+
+
+def test_the_readme_quick_start_config_is_valid():
+    """The config the README's quick start writes, read as the job reads it."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    quick = readme[readme.index("## Quick start on your own table") :]
+    text = re.search(r"cat > kfed.yaml <<'YAML'\n(.*?)\nYAML\n", quick, re.S).group(1)
+    cfg = build_config(yaml.safe_load(text))
+    assert (cfg.k, cfg.k_range, cfg.input.features_col) == ("auto", (2, 40), ["x1", "x2", "x3"])

@@ -47,3 +47,11 @@ def test_the_estimator_refuses_what_the_config_refuses():
         KFed(robustMinSize=-1.0)._config()
     with pytest.raises(ConfigError, match="robust_min_size must be a finite number >= 0, got -1"):
         load_config(None, ["robust_min_size=-1", "input.path=x", "output.path=y"])
+
+
+def test_the_readme_s_parameter_table_is_the_parameter_table():
+    """The README's table between its GENERATED lines is what kfed_spark.params_codegen writes from
+    kfed_spark.params: after a change to the table, `python -m kfed_spark.params_codegen` rewrites it."""
+    from kfed_spark.params_codegen import README, rewritten_readme
+
+    assert rewritten_readme(README.read_text()) == README.read_text()
