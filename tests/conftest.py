@@ -13,16 +13,34 @@ from kfed_spark.session import build_session
 
 collect_ignore = ["airflow"]  # run inside the Airflow environment by test_airflow.py
 
+TIERS = ("fast", "spark", "integration")
+"""Every test names its tier, by its module's pytestmark or a marker of its own: fast (no JVM, the edit
+loop's tier: `-m fast`), spark (the one Spark session of this process: with fast, `-m "not integration"`)
+or integration (processes of their own: spark-submit, servers, the CLI)."""
+
 JVM_FIXTURES = {"spark", "config", "published_run", "standalone_master", "connect_url"}
-"""Fixtures that start Spark (or a run that starts it): a test without any of them is in the fast tier."""
+"""Fixtures that start Spark, or a run that starts it."""
 
 
 def pytest_collection_modifyitems(items):
-    """Tiers: `-m fast` (no JVM, seconds), `-m "not integration"` (one Spark session in this process),
-    everything (integration: spark-submit, servers and CLI processes of their own)."""
+    """Refuse a test without exactly one tier, and a fast one that asks for a fixture that starts Spark."""
+    wrong = []
     for item in items:
-        if not JVM_FIXTURES & set(item.fixturenames) and "integration" not in item.keywords:
-            item.add_marker(pytest.mark.fast)
+        tiers = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+        if len(tiers) != 1 or ("fast" in tiers and JVM_FIXTURES & set(item.fixturenames)):
+            wrong.append(f"{item.nodeid}: {', '.join(sorted(tiers)) or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            "every test needs one tier marker (fast, spark or integration), and a fast one "
+            "no Spark fixture:\n" + "\n".join(wrong)
+        )
+
+
+@pytest.fixture(autouse=True)
+def no_jvm_in_the_fast_tier(request, monkeypatch):
+    """A fast test cannot start a JVM: JAVA_HOME points nowhere, in this process and in any it starts."""
+    if request.node.get_closest_marker("fast"):
+        monkeypatch.setenv("JAVA_HOME", "/nonexistent/the-fast-tier-starts-no-jvm")
 
 
 TEST_SPARK_CONF = {

@@ -20,6 +20,7 @@ from kfed_spark.session import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
+
 VENV = Path(os.environ.get("KFED_AIRFLOW_VENV", Path.home() / ".cache" / "kfed-spark" / "airflow-venv"))
 
 

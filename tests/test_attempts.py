@@ -5,7 +5,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from kfed_spark.attempts import committed_publish_seqs, process_gone, published_attempts
+
+pytestmark = pytest.mark.fast
 
 
 def attempt(run_id, attempt_id, status, publish_seq):

@@ -97,6 +97,7 @@ def test_the_fresh_process_benchmark_times_each_contender_as_its_own_process(tmp
     assert runs.is_dir()  # the setup run created the location the timed run wrote into
 
 
+@pytest.mark.fast
 def test_server_benchmark_times_both_seeding_rules_and_refinements(capsys):
     from kfed_spark.cli import main
 
@@ -112,6 +113,7 @@ def test_server_benchmark_times_both_seeding_rules_and_refinements(capsys):
     assert float(lines["kmeanspp / farthest seconds, server_refine=lloyd"]) > 0
 
 
+@pytest.mark.spark
 def test_distributed_server_benchmark_merges_generated_centers_in_spark(spark, tmp_path, capsys):
     from kfed_spark.cli import main
 
@@ -140,6 +142,7 @@ def test_distributed_server_benchmark_merges_generated_centers_in_spark(spark, t
     assert float(lines["seconds, distributed server step"]) > 0 and float(lines["peak memory MB, python driver"]) > 0
 
 
+@pytest.mark.fast
 def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path):
     """A plain install has no scikit-learn; the benchmarks refuse in one line instead of failing at the end."""
     import subprocess

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from pyspark.sql import functions as F
 
 from helpers import MIXTURE, published, run_cli, runs_of
@@ -10,6 +11,8 @@ from kfed_spark.config import OutputConfig
 from kfed_spark.faults import FAULT_ENV
 from kfed_spark.io import OutputTables
 from kfed_spark.report import K_SWEEP_FILES
+
+pytestmark = pytest.mark.spark
 
 TRUE_K = MIXTURE["k"]
 

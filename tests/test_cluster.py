@@ -15,6 +15,7 @@ from kfed_spark.session import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
+
 CLUSTER_SECTION = "## On a cluster with spark-submit"
 
 

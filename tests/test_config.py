@@ -6,6 +6,8 @@ import yaml
 from kfed_spark.config import build_config, load_config
 from kfed_spark.errors import ConfigError
 
+pytestmark = pytest.mark.fast
+
 BASE = ["input.path=/data/in", "output.path=/data/out"]
 
 

@@ -31,6 +31,7 @@ from kfed_spark.session import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
+
 CLI = str(Path(sys.executable).parent / "kfed-spark")
 
 

@@ -9,6 +9,8 @@ from kfed_spark.bench.synthetic import write_mixture
 from kfed_spark.cli import main
 from kfed_spark.metrics import adjusted_rand_index
 
+pytestmark = pytest.mark.spark
+
 VARIED = dict(k=12, k_per_device=(1, 5), devices=40, points_per_device=150, dim=16, seed=5)
 
 

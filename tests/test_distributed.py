@@ -14,6 +14,7 @@ from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import feature_matrix
 
 
+@pytest.mark.fast
 def test_representatives_keep_the_weight_and_summarize_separated_groups():
     rng = np.random.default_rng(5)
     means = rng.normal(0.0, 50.0, size=(6, 3))
@@ -31,6 +32,7 @@ def test_representatives_keep_the_weight_and_summarize_separated_groups():
     assert same is not None and np.array_equal(same, x[:5]) and np.array_equal(same_mass, weights[:5])
 
 
+@pytest.mark.fast
 def test_merging_each_partitions_representatives_costs_what_merging_all_local_centers_does():
     """What the distributed step computes, without Spark: four partitions of close-means local centers,
     each reduced to k representatives, merged; the weighted cost over all local centers is within 2%
@@ -58,6 +60,7 @@ def close_means_frame(spark):
     return spark.createDataFrame(table.to_pandas()), dict(k=49, k_per_device=7)
 
 
+@pytest.mark.spark
 @pytest.mark.parametrize("problem", ["mixture", "close-means"])
 def test_forced_distributed_server_step_clusters_as_the_driver_does(spark, mixture_path, problem, caplog):
     """One representative per global cluster and partition, over four partitions of local centers:

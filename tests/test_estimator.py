@@ -15,6 +15,7 @@ from kfed_spark.metrics import adjusted_rand_index
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 
 
+@pytest.mark.spark
 def test_shares_param_names_and_defaults_style_with_mllib_kmeans(spark):
     mine, theirs = KFed(), KMeans()
     for name in ("k", "featuresCol", "predictionCol", "maxIter", "tol", "seed"):
@@ -36,6 +37,7 @@ def test_shares_param_names_and_defaults_style_with_mllib_kmeans(spark):
     assert KFed().getSeed() == int(other.stdout) == 0
 
 
+@pytest.mark.spark
 def test_fit_transform_equals_the_cli_run(spark, published_run, mixture_path):
     _, out = published_run
     rows = spark.read.parquet(mixture_path)
@@ -53,6 +55,7 @@ def test_fit_transform_equals_the_cli_run(spark, published_run, mixture_path):
     assert model.localCenters.count() == run.n_local_centers
 
 
+@pytest.mark.spark
 def test_rows_of_new_devices_take_the_nearest_global_center_without_refitting(spark, mixture_path, tmp_path):
     table = pq.read_table(mixture_path)
     seen = pa.compute.less(table.column("device_id"), 45)
@@ -74,6 +77,7 @@ def test_rows_of_new_devices_take_the_nearest_global_center_without_refitting(sp
     )
 
 
+@pytest.mark.spark
 def test_save_load_and_pipeline_round_trip(spark, mixture_path, tmp_path):
     rows = spark.read.parquet(mixture_path)
     model = mixture_estimator().fit(rows)
@@ -93,6 +97,7 @@ def test_save_load_and_pipeline_round_trip(spark, mixture_path, tmp_path):
     assert KFed.load(str(tmp_path / "estimator")).getK() == MIXTURE["k"]
 
 
+@pytest.mark.spark
 def test_auto_k_per_device_and_robust_seeding_through_the_estimator(spark, mixture_path, tmp_path):
     rows = spark.read.parquet(mixture_path)
     kfed = KFed(k=MIXTURE["k"], kPerDevice="auto", seeding="robust", seed=11)
@@ -106,6 +111,7 @@ def test_auto_k_per_device_and_robust_seeding_through_the_estimator(spark, mixtu
     assert (loaded.getKPerDevice(), loaded.getSeeding()) == ("auto", "robust")
 
 
+@pytest.mark.spark
 def test_bad_rows_get_no_prediction_and_are_not_dropped(spark):
     rows = spark.createDataFrame(
         [(1, "a", [0.0]), (2, "a", [10.0]), (3, "b", [0.2]), (4, "b", [9.8]), (5, "b", [float("nan")])],
@@ -116,6 +122,7 @@ def test_bad_rows_get_no_prediction_and_are_not_dropped(spark):
     assert out.prediction[1] == out.prediction[3] != out.prediction[2]
 
 
+@pytest.mark.spark
 def test_assign_labels_new_input_with_a_finished_runs_model(spark, config, tmp_path, mixture_path):
     table = pq.read_table(mixture_path)
     pq.write_table(table.filter(pa.compute.less(table.column("device_id"), 45)), tmp_path / "seen.parquet")
@@ -138,12 +145,14 @@ def test_assign_labels_new_input_with_a_finished_runs_model(spark, config, tmp_p
     assert same == centers.filter("run_id = 'first'").orderBy("cluster_id").select("center").collect()
 
 
+@pytest.mark.spark
 def test_assign_from_a_missing_run_is_a_clear_error(published_run, capsys):
     config, out = published_run
     assert main(["assign", "--model-run", "nope", "--config", str(config), "--set", "run_id=x"]) == 2
     assert capsys.readouterr().err.strip() == f"kfed-spark: error: no published run 'nope' under {out}"
 
 
+@pytest.mark.fast
 def test_the_estimator_needs_neither_delta_spark_nor_the_job():
     """A notebook without delta-spark imports the estimator; it brings the fit layer, not the job's stages."""
     import subprocess
@@ -158,6 +167,7 @@ def test_the_estimator_needs_neither_delta_spark_nor_the_job():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.spark
 def test_a_reference_model_s_ids_and_the_optional_distance_and_margin(spark, mixture_path):
     rows = spark.read.parquet(mixture_path)
     first = mixture_estimator().fit(rows)
@@ -180,6 +190,7 @@ def test_a_reference_model_s_ids_and_the_optional_distance_and_margin(spark, mix
     assert (scored.distance**2).sum() == pytest.approx(first.summary.trainingCost, rel=1e-9)
 
 
+@pytest.mark.spark
 def test_k_auto_and_a_sweep_of_a_fitted_model(spark, mixture_path, tmp_path):
     rows = spark.read.parquet(mixture_path)
     kfed = KFed(k="auto", kRange=[3, 20], kPerDevice=MIXTURE["k_per_device"], seed=11)
@@ -201,6 +212,7 @@ def test_k_auto_and_a_sweep_of_a_fitted_model(spark, mixture_path, tmp_path):
     )
 
 
+@pytest.mark.fast
 def test_the_params_are_declared_as_the_parameter_table_generates_them():
     """estimator.py's GENERATED blocks are what kfed_spark.params_codegen writes from kfed_spark.params:
     after a change to the table, `python -m kfed_spark.params_codegen` rewrites them."""
@@ -215,6 +227,7 @@ def test_the_params_are_declared_as_the_parameter_table_generates_them():
     assert all(hasattr(KFed, f"set{name[0].upper()}{name[1:]}") for name in table)
 
 
+@pytest.mark.spark
 def test_the_module_s_example_runs(spark):
     import doctest
 

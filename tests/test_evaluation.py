@@ -10,6 +10,8 @@ from kfed_spark.kernels import LabelModel
 from kfed_spark.metrics import adjusted_rand_index, ari_of, cost_of_labels
 from kfed_spark.workers import EVALUATION_COL, features_array, label_arrays
 
+pytestmark = pytest.mark.fast
+
 
 def batch_of(devices, x, truth, reasons):
     return pa.RecordBatch.from_arrays(

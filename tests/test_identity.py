@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from helpers import MIXTURE, published, report_folder, run_cli, runs_of
 from kfed_spark.bench.datasets import write_parquet_folder
@@ -38,6 +39,7 @@ def summary(table, params, initial=None) -> tuple[ClusterSummary, np.ndarray]:
     ), labels
 
 
+@pytest.mark.fast
 def test_matching_keeps_the_persistent_clusters_and_no_shift_or_scale_changes_it():
     params = AlgorithmParams(k=K, k_per_device=4)
     day_one, day_two = two_days(k=K)
@@ -61,6 +63,7 @@ def test_matching_keeps_the_persistent_clusters_and_no_shift_or_scale_changes_it
         np.testing.assert_allclose(again.relative_shift, matching.relative_shift, rtol=1e-6)
 
 
+@pytest.mark.fast
 def test_a_cluster_beyond_the_gate_is_new_even_when_it_is_the_only_candidate():
     one = ClusterSummary(np.array([7]), np.array([[0.0, 0.0]]), np.array([100]), np.array([200.0]), np.array([3]))
     near = ClusterSummary(np.array([0]), np.array([[0.5, 0.0]]), np.array([100]), np.array([200.0]), np.array([3]))
@@ -70,6 +73,7 @@ def test_a_cluster_beyond_the_gate_is_new_even_when_it_is_the_only_candidate():
     assert list(gone.ids) == [8] and list(gone.retired) == [0] and gone.status == ["new"]
 
 
+@pytest.mark.fast
 def test_a_warm_start_from_yesterday_finds_today_s_clusters():
     """Seeds from day 1's centers: the gone cluster's seed is dropped, the new cluster is seeded by the rule."""
     day_one, day_two = two_days(k=K)
@@ -83,6 +87,7 @@ def test_a_warm_start_from_yesterday_finds_today_s_clusters():
         assert adjusted_rand_index(truth, warm) > 0.99
 
 
+@pytest.mark.fast
 def test_the_margin_is_a_ratio_of_distances():
     centers = np.array([[0.0], [10.0]])
     x = np.array([[1.0], [5.0], [9.0], [0.0]])
@@ -122,6 +127,7 @@ def ids_by_truth(spark, out, run_id) -> dict[int, int]:
     return dict(zip(top.true_cluster, top.cluster_id))
 
 
+@pytest.mark.spark
 def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, capsys):
     day_one, day_two = two_days(k=K)
     unrelated = mixture(k=K, k_per_device=4, devices=200, points_per_device=100, dim=16, seed=99)
@@ -180,6 +186,7 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     assert dict(zip(changes.status, changes.n.astype(int))) == {"new": K, "retired": K}
 
 
+@pytest.mark.spark
 def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, config, tmp_path):
     """The previous releases wrote runs without the identity and k sweep columns, labels without distance and margin,
     and no cluster_changes (made here from a run of this one): the next run adds them before any work and

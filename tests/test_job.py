@@ -43,6 +43,7 @@ from kfed_spark.tables import TABLES
 from kfed_spark.workers import feature_matrix, features_array
 
 
+@pytest.mark.spark
 def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_path, mixture_path, capsys):
     assert run_cli(config) == 0
     out = tmp_path / "out"
@@ -111,6 +112,7 @@ def test_cli_run_writes_every_table_and_recovers_the_mixture(spark, config, tmp_
     assert "ARI" in capsys.readouterr().out
 
 
+@pytest.mark.spark
 @pytest.mark.parametrize("label_mode", ["induced", "nearest"])
 def test_spark_job_equals_the_single_process_numpy_run(spark, config, tmp_path, mixture_path, label_mode):
     """Same kernels, same seeds: the distributed job labels every row as federated_kmeans does."""
@@ -127,6 +129,7 @@ def test_spark_job_equals_the_single_process_numpy_run(spark, config, tmp_path, 
     np.testing.assert_array_equal(got.local_cluster_id.to_numpy(), reference.local_labels)
 
 
+@pytest.mark.spark
 @pytest.mark.parametrize(
     "settings",
     [
@@ -172,6 +175,7 @@ def test_shifted_or_scaled_features_give_the_same_labels_and_relative_cost(spark
         assert runs[run_id].cost / spread(features) == pytest.approx(runs["given"].cost / spread(x), rel=1e-6)
 
 
+@pytest.mark.spark
 def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_path):
     out = tmp_path / "out"
     assert run_cli(config) == 0
@@ -196,6 +200,7 @@ def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_p
     assert len(sizes) == MIXTURE["k"] and sum(r.n for r in sizes) == n_rows
 
 
+@pytest.mark.spark
 def test_an_output_location_of_the_previous_version_gains_the_new_table_and_columns(spark, config, tmp_path):
     """Written before device_clusters existed and before runs had local_restarts and robust_min_size."""
     out = tmp_path / "out"
@@ -214,6 +219,7 @@ def test_an_output_location_of_the_previous_version_gains_the_new_table_and_colu
     assert published(spark, out, "device_clusters").filter("run_id = 'second'").count() > 0
 
 
+@pytest.mark.spark
 def test_vector_and_column_list_features_give_the_same_clustering(spark, tmp_path, mixture_path):
     """Through the fit layer (no table written); the CSV is read by the job's own reader."""
     source = spark.read.parquet(mixture_path)
@@ -232,6 +238,7 @@ def test_vector_and_column_list_features_give_the_same_clustering(spark, tmp_pat
         assert got.sort_index().equals(expected), features
 
 
+@pytest.mark.spark
 def test_the_labelling_pass_sends_only_the_device_and_the_features_to_python(spark, mixture_path):
     """The labelling pass is a scalar Arrow UDF over (labellable, device, features): the input's other
     columns stay in the JVM and come out unchanged."""
@@ -251,6 +258,7 @@ def test_the_labelling_pass_sends_only_the_device_and_the_features_to_python(spa
     assert list(labelled.columns) == [*raw.columns, "local_cluster_id", "cluster_id", "distance", "margin"]
 
 
+@pytest.mark.spark
 def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(spark, tmp_path):
     """What VectorAssembler(handleInvalid="keep") or a left join hands over: a null vector, one of the
     wrong size, one holding NaN. The job quarantines them; the estimator's transform predicts null."""
@@ -319,6 +327,7 @@ def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(sp
     assert predicted.prediction[[5, 6, 7]].isna().all() and predicted.prediction[[1, 2, 3, 4]].notna().all()
 
 
+@pytest.mark.spark
 def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
     rows = [
         (1, "a", [0.0, 0.0]),
@@ -373,6 +382,7 @@ def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
     assert (run.n_input, run.n_labelled, run.n_quarantined) == (11, 5, 6)
 
 
+@pytest.mark.spark
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -397,6 +407,7 @@ def test_bad_input_gives_one_line_error(spark, config, capsys, overrides, messag
     assert message in err
 
 
+@pytest.mark.fast
 def test_bad_config_exits_non_zero_with_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "kfed_spark.cli", "run", "--config", str(tmp_path / "nope.yaml")],
@@ -449,6 +460,7 @@ def test_spark_submit_job_matches_the_cli(spark, config, tmp_path):
     assert got == expected
 
 
+@pytest.mark.spark
 def test_labels_read_without_spark(published_run):
     from deltalake import DeltaTable as RustDeltaTable
 
@@ -457,6 +469,7 @@ def test_labels_read_without_spark(published_run):
     assert set(table.column("run_id").to_pylist()) == {"first"}
 
 
+@pytest.mark.spark
 def test_catalog_table_in_and_registered_tables_out(spark, config, tmp_path, mixture_path):
     spark.sql("CREATE DATABASE IF NOT EXISTS kfed_source")
     spark.read.parquet(mixture_path).write.format("delta").saveAsTable("kfed_source.devices")
@@ -478,6 +491,7 @@ def test_catalog_table_in_and_registered_tables_out(spark, config, tmp_path, mix
     assert spark.table("kfed_test.centers").count() == MIXTURE["k"]
 
 
+@pytest.mark.spark
 def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(spark, tmp_path):
     """max_rows_per_device bounds a worker's memory; every row of the big device is still labelled."""
     rng = np.random.default_rng(0)
@@ -508,6 +522,7 @@ def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(s
     assert local.n_points.sum() == len(rows)
 
 
+@pytest.mark.spark
 def test_relative_output_path_is_taken_from_the_working_directory(spark, config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run_cli(config, "output.path=relative-out") == 0
@@ -517,6 +532,7 @@ def test_relative_output_path_is_taken_from_the_working_directory(spark, config,
     )
 
 
+@pytest.mark.spark
 def test_the_readme_demo_clusters_the_mixture_and_leaves_tables_and_a_report(spark, tmp_path, capsys):
     assert main(["demo", "--folder", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out

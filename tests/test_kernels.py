@@ -24,6 +24,8 @@ from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import feature_matrix
 
+pytestmark = pytest.mark.fast
+
 
 def blobs(rng, means, n, noise=1.0):
     truth = rng.integers(0, len(means), size=n)

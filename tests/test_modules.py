@@ -9,6 +9,7 @@ import kfed_spark
 
 pytestmark = pytest.mark.fast
 
+
 PACKAGE = Path(kfed_spark.__file__).parent
 
 

@@ -3,7 +3,11 @@
 import zipfile
 from importlib.metadata import version
 
+import pytest
+
 from kfed_spark.packaging import runtime_requirements, write_package_zip
+
+pytestmark = pytest.mark.fast
 
 
 def test_the_environment_pins_the_job_dependencies_at_the_versions_installed_here():

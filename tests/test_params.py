@@ -11,6 +11,8 @@ from kfed_spark.errors import ConfigError
 from kfed_spark.estimator import KFed, KFedModel
 from kfed_spark.params import DEFAULTS, AlgorithmParams
 
+pytestmark = pytest.mark.fast
+
 
 def camel(name):
     head, *rest = name.split("_")

@@ -28,6 +28,7 @@ from kfed_spark.tables import DATA_TABLES
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
+
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 POINTS = ["created", "claimed", "labels", "tables", "report", "published"]
 """Every point of a run after something is committed: the tables' creation, the running row, the labels

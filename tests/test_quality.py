@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from helpers import needs_shared_data
 from kfed_spark.bench.quality import WARM_START
 from kfed_spark.cli import main
@@ -12,6 +14,7 @@ def bench_quality_rows(out, datasets):
     return json.loads((out / "quality.json").read_text())
 
 
+@pytest.mark.spark
 def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
     out = tmp_path / "quality"
     rows = bench_quality_rows(out, "mixture,mixture-outliers")
@@ -42,12 +45,14 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
     assert "--datasets takes names from" in capsys.readouterr().err
 
 
+@pytest.mark.spark
 @needs_shared_data
 def test_bench_quality_on_a_real_slice(spark, tmp_path):
     rows = bench_quality_rows(tmp_path / "quality", "mnist")
     assert len(rows) == 28 and all(0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0 for row in rows)
 
 
+@pytest.mark.fast
 @needs_shared_data
 def test_prepare_suggests_the_readme_s_known_k_per_device(tmp_path, capsys):
     """The README advises the known k_z (2 on rotated MNIST) over `auto`, which saturates on images."""

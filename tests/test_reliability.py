@@ -34,6 +34,7 @@ def dirty_input(spark, path):
     spark.createDataFrame(rows, "row_id long, device_id string, features array<double>").write.parquet(str(path))
 
 
+@pytest.mark.spark
 def test_on_bad_rows_fail_names_reasons_and_counts_and_publishes_nothing(spark, tmp_path, capsys):
     dirty_input(spark, tmp_path / "dirty")
     args = ["run", "--config", str(write_empty_config(tmp_path))]
@@ -54,6 +55,7 @@ def test_on_bad_rows_fail_names_reasons_and_counts_and_publishes_nothing(spark, 
     assert [(r.status, r.rows_removed) for r in runs_of(spark, tmp_path / "out")] == [("failed", True)]
 
 
+@pytest.mark.spark
 def test_null_values_inside_features_are_quarantined(spark, tmp_path):
     dirty_input(spark, tmp_path / "dirty")
     assert (
@@ -82,6 +84,7 @@ def test_null_values_inside_features_are_quarantined(spark, tmp_path):
     }
 
 
+@pytest.mark.spark
 def test_empty_input_is_a_clear_error(spark, tmp_path, capsys):
     spark.createDataFrame([], "device_id long, features array<double>").write.parquet(str(tmp_path / "empty"))
     assert (
@@ -101,6 +104,7 @@ def test_empty_input_is_a_clear_error(spark, tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "kfed-spark: error: the input has no rows"
 
 
+@pytest.mark.spark
 def test_output_holding_another_schema_is_refused_before_any_work(spark, config, tmp_path, capsys):
     spark.createDataFrame([(1, "x")], "a long, run_id string").write.format("delta").save(
         str(tmp_path / "other" / "labels")
@@ -111,6 +115,7 @@ def test_output_holding_another_schema_is_refused_before_any_work(spark, config,
     assert "only in the table: ['a']" in err
 
 
+@pytest.mark.spark
 def test_a_runs_table_of_the_previous_version_is_refused_before_any_work(spark, config, tmp_path, capsys):
     """runs.k_per_device was an integer and had no seeding column before per-device k."""
     spark.createDataFrame([("old", 2)], "run_id string, k_per_device int").write.format("delta").save(
@@ -122,6 +127,7 @@ def test_a_runs_table_of_the_previous_version_is_refused_before_any_work(spark, 
     assert not (tmp_path / "old" / "labels").exists()
 
 
+@pytest.mark.spark
 def test_partitioning_and_row_order_do_not_change_labels(spark, tmp_path, mixture_path):
     """Through the fit layer (no table written): other files, other row order, other local-step partitions."""
     table = pq.read_table(mixture_path)
@@ -140,6 +146,7 @@ def test_partitioning_and_row_order_do_not_change_labels(spark, tmp_path, mixtur
     assert labels(mixture_path, local_partitions=1).equals(expected)  # all devices in one partition
 
 
+@pytest.mark.spark
 def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     assert run_cli(config) == 0
@@ -193,6 +200,7 @@ def test_a_retried_local_step_gives_the_same_labels(spark, config, tmp_path):
     assert sorted_labels(spark, tmp_path / "retried") == sorted_labels(spark, tmp_path / "out")
 
 
+@pytest.mark.spark
 def test_dropping_a_fifth_of_the_devices_keeps_the_clusters(spark, config, tmp_path, mixture_path):
     table = pq.read_table(mixture_path)
     devices = np.unique(table.column("device_id").to_numpy())
@@ -211,6 +219,7 @@ def refused(capsys) -> str:
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.spark
 def test_an_output_path_that_is_a_file_or_cannot_be_written_is_refused_before_any_work(spark, config, tmp_path, capsys):
     (tmp_path / "file").write_text("not a folder")
     assert run_cli(config, f"output.path={tmp_path / 'file'}") == 2
@@ -219,6 +228,7 @@ def test_an_output_path_that_is_a_file_or_cannot_be_written_is_refused_before_an
     assert refused(capsys).startswith("kfed-spark: error: cannot write under output.path /proc/kfed-output: ")
 
 
+@pytest.mark.spark
 def test_a_damaged_table_is_refused_before_anything_is_written(spark, config, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_cli(config) == 0
@@ -232,6 +242,7 @@ def test_a_damaged_table_is_refused_before_anything_is_written(spark, config, tm
     assert {path: path.stat().st_mtime for path in out.glob("*/_delta_log/*.json")} == logs
 
 
+@pytest.mark.spark
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -247,6 +258,7 @@ def test_columns_and_tables_the_config_names_are_checked_before_any_work(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.spark
 @pytest.mark.parametrize(
     "devices, message",
     [
@@ -276,6 +288,7 @@ def test_nan_or_all_null_device_ids_are_refused_before_any_work(spark, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.spark
 def test_assign_cannot_name_its_own_run_as_the_model(spark, published_run, capsys):
     config, out = published_run
     assert main(["assign", "--model-run", "first", "--config", str(config)]) == 2
@@ -285,6 +298,7 @@ def test_assign_cannot_name_its_own_run_as_the_model(spark, published_run, capsy
     assert [r.status for r in runs_of(spark, out)] == ["succeeded"]
 
 
+@pytest.mark.spark
 def test_a_python_worker_failure_is_told_by_its_own_exception(spark):
     """Executors without the job's packages fail in the worker; Spark's first line only says a worker
     failed, so the one-line error carries the worker's exception line instead."""

@@ -34,6 +34,7 @@ class PageParser(HTMLParser):
         self.cells.append(data)
 
 
+@pytest.mark.spark
 def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, published_run, capsys):
     _, out = published_run
     folder = report_folder(out, "first")
@@ -71,11 +72,13 @@ def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, published_
     assert "no report of a published run 'missing'" in capsys.readouterr().err
 
 
+@pytest.mark.spark
 def test_report_can_be_turned_off(config, tmp_path):
     assert main(["run", "--config", str(config), "--set", "report=false"]) == 0
     assert not (tmp_path / "out" / "reports").exists()
 
 
+@pytest.mark.spark
 def test_a_failed_report_fails_the_attempt_and_a_failed_attempt_leaves_no_report(config, tmp_path, monkeypatch, capsys):
     """The report is written before the publish commit: a failure there (or later, before the
     publish) fails the attempt, deletes its report and publishes nothing; the earlier report stays."""
@@ -91,6 +94,7 @@ def test_a_failed_report_fails_the_attempt_and_a_failed_attempt_leaves_no_report
     assert capsys.readouterr().out.strip() == published_report.decode().strip()
 
 
+@pytest.mark.fast
 @needs_shared_data
 def test_real_datasets_load_as_device_tables():
     mnist = load("mnist", max_devices=8)
@@ -110,6 +114,7 @@ def test_real_datasets_load_as_device_tables():
     assert load("mnist", max_devices=8).equals(mnist)  # seeded
 
 
+@pytest.mark.fast
 def test_hashed_ngram_tfidf_rows_are_unit_length_and_stable():
     x = hashed_ngram_tfidf(["To be or not to be", "to be or not TO BE", "Now is the winter"], buckets=64)
     np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0)

@@ -10,6 +10,8 @@ from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import feature_matrix
 
+pytestmark = pytest.mark.fast
+
 
 def mixture(scale=1.0, dim=4, k=6, k_per_device=2, devices=30, rows=40, seed=0):
     rng = np.random.default_rng(seed)

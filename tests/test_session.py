@@ -5,7 +5,10 @@ import pty
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.fast
 def test_the_progress_bar_is_on_only_where_stderr_is_a_terminal(tmp_path):
     """session.console_progress in a process whose stderr is a pseudo-terminal, a file, or a terminal with
     the bar turned off in the config. (That Spark then draws the bar on a terminal was checked by hand.)"""
@@ -32,6 +35,7 @@ def test_the_progress_bar_is_on_only_where_stderr_is_a_terminal(tmp_path):
         os.close(terminal_end)
 
 
+@pytest.mark.spark
 def test_python_workers_get_one_blas_thread(spark):
     names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
     seen = spark.sparkContext.parallelize([0], 1).map(lambda _: {n: os.environ.get(n) for n in names}).collect()

@@ -2,6 +2,7 @@
 
 import duckdb
 import numpy as np
+import pytest
 from deltalake import DeltaTable
 
 from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, assert_commented, readme_device_profile_queries, run_cli
@@ -9,6 +10,8 @@ from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.io import OutputTables
 from kfed_spark.tables import TABLES
+
+pytestmark = pytest.mark.spark
 
 N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 

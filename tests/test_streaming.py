@@ -55,6 +55,7 @@ def stream_rows(spark, out, name):
     return spark.read.format("delta").load(str(out / name))
 
 
+@pytest.mark.spark
 def test_three_batches_arriving_while_the_stream_runs_are_each_labelled_or_quarantined_once(
     spark, config, tmp_path, mixture_path
 ):
@@ -121,6 +122,7 @@ def test_three_batches_arriving_while_the_stream_runs_are_each_labelled_or_quara
     assert adjusted_rand_index(new.true_cluster, new.cluster_id) >= 0.95
 
 
+@pytest.mark.spark
 def test_a_delta_source_is_labelled_available_now_and_a_second_run_takes_only_what_arrived_since(
     spark, published_run, mixture_path, tmp_path
 ):
@@ -165,6 +167,7 @@ def test_a_delta_source_is_labelled_available_now_and_a_second_run_takes_only_wh
     ]
 
 
+@pytest.mark.spark
 def test_transform_is_a_plan_that_runs_no_job_and_streams(spark, published_run, mixture_path, tmp_path):
     _, out = published_run
     model = KFedModel.from_run(str(out), "first")
@@ -196,6 +199,7 @@ def test_transform_is_a_plan_that_runs_no_job_and_streams(spark, published_run, 
     np.testing.assert_array_equal(streamed.prediction, expected.cluster_id)
 
 
+@pytest.mark.spark
 def test_a_saved_estimator_model_serves_assign_and_its_runs_name_it(spark, config, mixture_path, tmp_path):
     rows = spark.read.parquet(mixture_path)
     model = mixture_estimator().fit(rows)

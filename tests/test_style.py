@@ -8,6 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.fast
 
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -8,6 +8,8 @@ from kfed_spark.kernels import LabelModel, device_rng, local_step, row_hashes, s
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import LocalStepSpec, device_runs, label_arrays, local_centers_from_batches
 
+pytestmark = pytest.mark.fast
+
 
 def rows_batch(devices, x, device_type=pa.int64()):
     offsets = np.arange(0, x.size + 1, x.shape[1], dtype=np.int32)
