@@ -296,20 +296,3 @@ def test_assign_cannot_name_its_own_run_as_the_model(spark, published_run, capsy
         "kfed-spark: error: run 'first' cannot take its own model: give the new run another run_id"
     )
     assert [r.status for r in runs_of(spark, out)] == ["succeeded"]
-
-
-@pytest.mark.spark
-def test_a_python_worker_failure_is_told_by_its_own_exception(spark):
-    """Executors without the job's packages fail in the worker; Spark's first line only says a worker
-    failed, so the one-line error carries the worker's exception line instead."""
-    from kfed_spark.failures import describe
-
-    def lacks_numpy(batches):  # defined here, so that the worker gets it by value, not by module
-        raise ModuleNotFoundError("No module named 'numpy'")
-        yield  # a generator, as mapInPandas wants
-
-    with pytest.raises(Exception) as failure:
-        spark.range(3).mapInPandas(lacks_numpy, "id long").collect()
-    assert (
-        describe(failure.value) == "Spark failed: a Python worker raised ModuleNotFoundError: No module named 'numpy'"
-    )
