@@ -42,6 +42,9 @@ def runs_of(spark, out):
 MIXTURE = dict(k=12, k_per_device=3, devices=60, points_per_device=100, dim=8, seed=3)
 """The tests' separated mixture (conftest's mixture_path): 12 clusters, 60 devices x 100 rows, 3 per device, d = 8."""
 
+N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
+"""Rows of the tests' mixture."""
+
 
 FAR_MIXTURE = dict(k=12, k_per_device=4, devices=60, points_per_device=100, dim=6, seed=5)
 """The scale tests' mixture (kfed_spark.bench.synthetic.mixture): 12 clusters, 60 devices x 100 rows, 4 per
@@ -217,3 +220,21 @@ def bare_environment(folder: Path) -> dict[str, str]:
         if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_"))
     }
     return {**env, "PATH": f"{folder / 'bin'}:/usr/bin:/bin", "SPARK_LOCAL_IP": "127.0.0.1"}
+
+
+def refused(capsys) -> str:
+    """The last stderr line of a refused run."""
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def dirty_input(spark, path):
+    rows = [
+        (1, "a", [0.0, 0.0]),
+        (2, "a", [9.0, 9.0]),
+        (3, "b", [0.1, 0.0]),
+        (4, "b", [9.0, 9.1]),
+        (5, None, [1.0, 1.0]),
+        (6, "a", [float("nan"), 0.0]),
+        (7, "b", [1.0, None]),
+    ]
+    spark.createDataFrame(rows, "row_id long, device_id string, features array<double>").write.parquet(str(path))

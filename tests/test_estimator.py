@@ -7,12 +7,9 @@ import pytest
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.clustering import KMeans
 
-from helpers import MIXTURE, by_row, labels_of, mixture_estimator, published, run_cli, runs_of
-from kfed_spark.cli import main
+from helpers import MIXTURE, N_ROWS, by_row, labels_of, mixture_estimator, published, runs_of
 from kfed_spark.estimator import KFed, KFedModel
 from kfed_spark.metrics import adjusted_rand_index
-
-N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 
 
 @pytest.mark.spark
@@ -120,36 +117,6 @@ def test_bad_rows_get_no_prediction_and_are_not_dropped(spark):
     out = by_row(KFed(k=2, kPerDevice=2).fit(rows).transform(rows), "prediction")
     assert len(out) == 5 and out.prediction.isna().tolist() == [False, False, False, False, True]
     assert out.prediction[1] == out.prediction[3] != out.prediction[2]
-
-
-@pytest.mark.spark
-def test_assign_labels_new_input_with_a_finished_runs_model(spark, config, tmp_path, mixture_path):
-    table = pq.read_table(mixture_path)
-    pq.write_table(table.filter(pa.compute.less(table.column("device_id"), 45)), tmp_path / "seen.parquet")
-    assert run_cli(config, f"input.path={tmp_path / 'seen.parquet'}") == 0
-    args = ["assign", "--model-run", "first", "--config", str(config), "--set", "run_id=assigned"]
-    assert main(args) == 0
-
-    out = tmp_path / "out"
-    runs = sorted(runs_of(spark, out), key=lambda r: r.run_id)
-    assert [(r.run_id, r.parent_run_id) for r in runs] == [("assigned", "first"), ("first", None)]
-    assert runs[0].n_labelled == N_ROWS and runs[0].n_devices == MIXTURE["devices"]
-    assigned = by_row(labels_of(spark, out, "assigned"), "device_id", "true_cluster", "cluster_id")
-    first = by_row(labels_of(spark, out, "first"), "cluster_id")
-    known = assigned[assigned.device_id < 45]
-    np.testing.assert_array_equal(known.cluster_id.to_numpy(), first.cluster_id.to_numpy())
-    fresh = assigned[assigned.device_id >= 45]
-    assert adjusted_rand_index(fresh.true_cluster, fresh.cluster_id) >= 0.95
-    centers = published(spark, out, "centers")
-    same = centers.filter("run_id = 'assigned'").orderBy("cluster_id").select("center").collect()
-    assert same == centers.filter("run_id = 'first'").orderBy("cluster_id").select("center").collect()
-
-
-@pytest.mark.spark
-def test_assign_from_a_missing_run_is_a_clear_error(published_run, capsys):
-    config, out = published_run
-    assert main(["assign", "--model-run", "nope", "--config", str(config), "--set", "run_id=x"]) == 2
-    assert capsys.readouterr().err.strip() == f"kfed-spark: error: no published run 'nope' under {out}"
 
 
 @pytest.mark.fast

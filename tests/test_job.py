@@ -1,18 +1,13 @@
 """The whole job on real Spark (local mode) writing real Delta tables."""
 
 import json
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from pyspark.ml.functions import array_to_vector
-from pyspark.sql import functions as F
 
 from helpers import (
     FAR_MIXTURE,
@@ -20,8 +15,6 @@ from helpers import (
     MIXTURE,
     ROOT,
     by_row,
-    duckdb_published,
-    fitted_labels,
     labels_of,
     published,
     report_folder,
@@ -33,12 +26,9 @@ from helpers import (
 from kfed_spark.bench import synthetic
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.cli import main
-from kfed_spark.config import InputConfig
-from kfed_spark.fitting import label_rows
-from kfed_spark.io import read_input
 from kfed_spark.kernels import federated_kmeans
 from kfed_spark.metrics import adjusted_rand_index
-from kfed_spark.params import DEFAULTS, AlgorithmParams
+from kfed_spark.params import AlgorithmParams
 from kfed_spark.tables import TABLES
 from kfed_spark.workers import feature_matrix, features_array
 
@@ -201,133 +191,6 @@ def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_p
 
 
 @pytest.mark.spark
-def test_an_output_location_of_the_previous_version_gains_the_new_table_and_columns(spark, config, tmp_path):
-    """Written before device_clusters existed and before runs had local_restarts and robust_min_size."""
-    out = tmp_path / "out"
-    assert run_cli(config) == 0
-    runs_path = str(out / "runs")
-    older = spark.read.format("delta").load(runs_path).drop("local_restarts", "robust_min_size")
-    older.write.format("delta").mode("overwrite").option("overwriteSchema", "true").partitionBy(
-        "run_id", "attempt_id"
-    ).save(runs_path)
-    shutil.rmtree(out / "device_clusters")
-    assert run_cli(config, "run_id=second") == 0
-    rows = {r.run_id: r for r in runs_of(spark, out)}
-    assert (rows["first"].local_restarts, rows["first"].robust_min_size) == (None, None)
-    assert rows["second"].local_restarts == DEFAULTS.local_restarts
-    assert rows["second"].robust_min_size == DEFAULTS.robust_min_size
-    assert published(spark, out, "device_clusters").filter("run_id = 'second'").count() > 0
-
-
-@pytest.mark.spark
-def test_vector_and_column_list_features_give_the_same_clustering(spark, tmp_path, mixture_path):
-    """Through the fit layer (no table written); the CSV is read by the job's own reader."""
-    source = spark.read.parquet(mixture_path)
-    columns = [f"x{i}" for i in range(MIXTURE["dim"])]
-    source.select("row_id", "device_id", *[F.col("features")[i].alias(c) for i, c in enumerate(columns)]).write.option(
-        "header", "true"
-    ).csv(str(tmp_path / "csv"))
-    from_csv = read_input(spark, InputConfig(path=str(tmp_path / "csv"), format="csv"))
-    settings = dict(k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"], seed=11)
-    expected = fitted_labels(source, **settings)[1].set_index("row_id").cluster_id.sort_index()
-    for frame, features in (
-        (source.withColumn("features", array_to_vector("features")), "features"),
-        (from_csv, columns),
-    ):
-        got = fitted_labels(frame, {"features_col": features}, **settings)[1].set_index("row_id").cluster_id
-        assert got.sort_index().equals(expected), features
-
-
-@pytest.mark.spark
-def test_the_labelling_pass_sends_only_the_device_and_the_features_to_python(spark, mixture_path):
-    """The labelling pass is a scalar Arrow UDF over (labellable, device, features): the input's other
-    columns stay in the JVM and come out unchanged."""
-    raw = spark.read.parquet(mixture_path).withColumn("note", F.concat(F.lit("row "), F.col("row_id").cast("string")))
-    clustering, labelled = fitted_labels(raw, k=MIXTURE["k"], k_per_device=MIXTURE["k_per_device"])
-    plan = (
-        label_rows(clustering.checked, clustering.model, raw.schema, "device_id", clustering.dim)
-        ._jdf.queryExecution()
-        .executedPlan()
-        .toString()
-    )
-    python_nodes = [line for line in plan.splitlines() if "Python" in line or "Arrow" in line]
-    assert len(python_nodes) == 1 and "ArrowEvalPython" in python_nodes[0], plan
-    udf_arguments = re.search(r"\[label_partition\((.*?)\)#", python_nodes[0]).group(1)
-    assert re.sub(r"#\d+L?", "", udf_arguments) == "isnull(__kfed_reason), device_id, __kfed_features"
-    assert (labelled.note == "row " + labelled.row_id.astype(str)).all()
-    assert list(labelled.columns) == [*raw.columns, "local_cluster_id", "cluster_id", "distance", "margin"]
-
-
-@pytest.mark.spark
-def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(spark, tmp_path):
-    """What VectorAssembler(handleInvalid="keep") or a left join hands over: a null vector, one of the
-    wrong size, one holding NaN. The job quarantines them; the estimator's transform predicts null."""
-    from pyspark.ml.linalg import Vectors, VectorUDT
-    from pyspark.sql.types import LongType, StringType, StructField, StructType
-
-    from kfed_spark.estimator import KFed
-
-    rows = [
-        (1, "a", Vectors.dense([0.0, 0.0])),
-        (2, "a", Vectors.dense([9.0, 9.0])),
-        (3, "b", Vectors.dense([0.1, 0.0])),
-        (4, "b", Vectors.dense([9.0, 9.1])),
-        (5, "a", None),
-        (6, "b", Vectors.dense([1.0])),
-        (7, "a", Vectors.dense([float("nan"), 0.0])),
-    ]
-    schema = StructType(
-        [
-            StructField("row_id", LongType()),
-            StructField("device_id", StringType()),
-            StructField("features", VectorUDT()),
-        ]
-    )
-    frame = spark.createDataFrame(rows, schema)
-    frame.write.parquet(str(tmp_path / "vectors"))
-    assert (
-        main(
-            [
-                "run",
-                "--config",
-                str(write_empty_config(tmp_path)),
-                "--set",
-                f"input.path={tmp_path / 'vectors'}",
-                "--set",
-                f"output.path={tmp_path / 'out'}",
-                "--set",
-                "k=2",
-                "--set",
-                "run_id=v",
-            ]
-        )
-        == 0
-    )
-    quarantine = published(spark, tmp_path / "out", "quarantine").toPandas()
-    assert dict(zip(quarantine.row_id, quarantine.reason)) == {
-        5: "null_features",
-        6: "wrong_dimension (expected 2)",
-        7: "non_finite_value",
-    }
-    assert sorted(published(spark, tmp_path / "out", "labels").toPandas().row_id) == [1, 2, 3, 4]
-    # Every table opens without Spark (delta-rs refuses Spark's vector type), the vectors as lists of doubles.
-    given = {row_id: None if vector is None else vector.toArray().tolist() for row_id, _, vector in rows}
-    for name in TABLES:
-        table = duckdb_published(tmp_path / "out", name)
-        assert table.num_rows > 0, name
-        if name in ("labels", "quarantine"):
-            assert table.schema.field("features").type.value_type == pa.float64(), name
-            got = dict(zip(table.column("row_id").to_pylist(), table.column("features").to_pylist()))
-            assert str(got) == str({row_id: given[row_id] for row_id in got}), name  # str: nan equals nan
-    assert (
-        "Spark ML vector"
-        in spark.sql(f"DESCRIBE delta.`{tmp_path / 'out' / 'labels'}`").filter("col_name = 'features'").first().comment
-    )
-    predicted = KFed(k=2, kPerDevice=2, seed=0).fit(frame).transform(frame).toPandas().set_index("row_id")
-    assert predicted.prediction[[5, 6, 7]].isna().all() and predicted.prediction[[1, 2, 3, 4]].notna().all()
-
-
-@pytest.mark.spark
 def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
     rows = [
         (1, "a", [0.0, 0.0]),
@@ -467,69 +330,6 @@ def test_labels_read_without_spark(published_run):
     table = RustDeltaTable(str(published_run[1] / "labels")).to_pyarrow_table()
     assert table.num_rows == MIXTURE["devices"] * MIXTURE["points_per_device"]
     assert set(table.column("run_id").to_pylist()) == {"first"}
-
-
-@pytest.mark.spark
-def test_catalog_table_in_and_registered_tables_out(spark, config, tmp_path, mixture_path):
-    spark.sql("CREATE DATABASE IF NOT EXISTS kfed_source")
-    spark.read.parquet(mixture_path).write.format("delta").saveAsTable("kfed_source.devices")
-    assert (
-        run_cli(
-            config,
-            "input.path=null",
-            "input.table=kfed_source.devices",
-            "output.database=kfed_test",
-            f"output.path={tmp_path / 'catalogued'}",
-        )
-        == 0
-    )
-    sizes = spark.sql(
-        "SELECT cluster_id, count(*) AS n FROM kfed_test.labels WHERE run_id = 'first' GROUP BY cluster_id"
-    ).collect()
-    assert sum(r.n for r in sizes) == MIXTURE["devices"] * MIXTURE["points_per_device"]
-    assert spark.sql("SELECT n_labelled FROM kfed_test.runs").first().n_labelled == sum(r.n for r in sizes)
-    assert spark.table("kfed_test.centers").count() == MIXTURE["k"]
-
-
-@pytest.mark.spark
-def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(spark, tmp_path):
-    """max_rows_per_device bounds a worker's memory; every row of the big device is still labelled."""
-    rng = np.random.default_rng(0)
-    means = np.array([[0.0, 0.0], [20.0, 0.0], [0.0, 20.0], [20.0, 20.0]])
-    devices = np.concatenate([np.zeros(900, dtype=np.int64), np.repeat(np.arange(1, 21), 100)])
-    truth = np.where(devices == 0, rng.integers(0, 2, len(devices)), 2 + rng.integers(0, 2, len(devices)))
-    x = means[truth] + rng.standard_normal((len(devices), 2))
-    rows = [(i, int(d), xs.tolist(), int(t)) for i, (d, xs, t) in enumerate(zip(devices, x, truth))]
-    spark.createDataFrame(rows, "row_id long, device_id long, features array<double>, true_cluster int").write.parquet(
-        str(tmp_path / "skewed")
-    )
-    args = ["run", "--config", str(write_empty_config(tmp_path))]
-    for item in [
-        f"input.path={tmp_path / 'skewed'}",
-        f"output.path={tmp_path / 'out'}",
-        "k=4",
-        "k_per_device=2",
-        "max_rows_per_device=150",
-        "run_id=skew",
-        "input.truth_col=true_cluster",
-    ]:
-        args += ["--set", item]
-    assert main(args) == 0
-    run = runs_of(spark, tmp_path / "out")[0]
-    assert run.n_labelled == len(rows) and run.ari == pytest.approx(1.0)
-    local = published(spark, tmp_path / "out", "local_centers").toPandas()
-    assert local[local.device_id == 0].n_points.sum() == 900
-    assert local.n_points.sum() == len(rows)
-
-
-@pytest.mark.spark
-def test_relative_output_path_is_taken_from_the_working_directory(spark, config, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert run_cli(config, "output.path=relative-out") == 0
-    assert (
-        labels_of(spark, tmp_path / "relative-out", "first").count()
-        == MIXTURE["devices"] * MIXTURE["points_per_device"]
-    )
 
 
 @pytest.mark.spark

@@ -18,7 +18,7 @@ import duckdb
 import pytest
 from deltalake import DeltaTable
 
-from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, runs_of
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, runs_of
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.errors import KFedError
@@ -29,7 +29,6 @@ from kfed_spark.tables import DATA_TABLES
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
 
-N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 POINTS = ["created", "claimed", "labels", "tables", "report", "published"]
 """Every point of a run after something is committed: the tables' creation, the running row, the labels
 commit, the other tables' commits, the report files (the last thing before the publish commit), and the

@@ -5,15 +5,12 @@ import numpy as np
 import pytest
 from deltalake import DeltaTable
 
-from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, assert_commented, readme_device_profile_queries, run_cli
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, readme_device_profile_queries, run_cli
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.io import OutputTables
-from kfed_spark.tables import TABLES
 
 pytestmark = pytest.mark.spark
-
-N_ROWS = MIXTURE["devices"] * MIXTURE["points_per_device"]
 
 
 def test_sql_command_queries_the_tables_and_the_latest_run(spark, config, tmp_path, capsys):
@@ -50,15 +47,6 @@ def test_the_readme_s_device_profile_queries(spark, published_run, capsys):
         assert len(picked) == needed and picked.n_points.sum() >= 0.5 * holders.sum()
     assert main(["sql", training, "--output", str(out)]) == 0
     assert capsys.readouterr().out.split()[:4] == ["cluster_id", "n_devices", "n_rows", "devices"]
-
-
-def test_every_table_and_column_carries_a_comment(spark, published_run):
-    """DESCRIBE shows what a column means, DESCRIBE DETAIL what the table holds."""
-    _, out = published_run
-    for name in TABLES:
-        assert_commented(spark, out / name, name)
-    labels = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{out / 'labels'}`").collect()}
-    assert (labels["cluster_id"], labels["features"]) == ("the global cluster of the row", "as in the input table")
 
 
 def test_sql_without_tables_is_a_clear_error(spark, tmp_path, capsys):

@@ -1,0 +1,111 @@
+"""All Delta reads and writes of an output location (kfed_spark.io): the checks before any work, old
+locations, the catalog and relative paths."""
+
+import shutil
+
+import pytest
+
+from helpers import MIXTURE, assert_commented, labels_of, published, refused, run_cli, runs_of
+from kfed_spark.params import DEFAULTS
+from kfed_spark.tables import TABLES
+
+pytestmark = pytest.mark.spark
+
+
+def test_output_holding_another_schema_is_refused_before_any_work(spark, config, tmp_path, capsys):
+    spark.createDataFrame([(1, "x")], "a long, run_id string").write.format("delta").save(
+        str(tmp_path / "other" / "labels")
+    )
+    assert run_cli(config, f"output.path={tmp_path / 'other'}") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kfed-spark: error: output table {tmp_path / 'other' / 'labels'} holds another schema")
+    assert "only in the table: ['a']" in err
+
+
+def test_a_runs_table_of_the_previous_version_is_refused_before_any_work(spark, config, tmp_path, capsys):
+    """runs.k_per_device was an integer and had no seeding column before per-device k."""
+    spark.createDataFrame([("old", 2)], "run_id string, k_per_device int").write.format("delta").save(
+        str(tmp_path / "old" / "runs")
+    )
+    assert run_cli(config, f"output.path={tmp_path / 'old'}") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kfed-spark: error: output table {tmp_path / 'old' / 'runs'} holds another schema")
+    assert not (tmp_path / "old" / "labels").exists()
+
+
+def test_an_output_path_that_is_a_file_or_cannot_be_written_is_refused_before_any_work(spark, config, tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    assert run_cli(config, f"output.path={tmp_path / 'file'}") == 2
+    assert refused(capsys) == f"kfed-spark: error: output.path {tmp_path / 'file'} is a file, not a folder"
+    assert run_cli(config, "output.path=/proc/kfed-output") == 2  # no one, not even root, creates folders there
+    assert refused(capsys).startswith("kfed-spark: error: cannot write under output.path /proc/kfed-output: ")
+
+
+def test_a_damaged_table_is_refused_before_anything_is_written(spark, config, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_cli(config) == 0
+    (out / "labels" / "_delta_log" / "00000000000000000000.json").unlink()  # its .crc stays
+    logs = {path: path.stat().st_mtime for path in out.glob("*/_delta_log/*.json")}
+    assert run_cli(config, "run_id=second") == 2
+    assert refused(capsys) == (
+        f"kfed-spark: error: output table {out / 'labels'} is damaged: its Delta log lacks version(s) 0; restore "
+        "the log or use another output.path (nothing was written)"
+    )
+    assert {path: path.stat().st_mtime for path in out.glob("*/_delta_log/*.json")} == logs
+
+
+def test_relative_output_path_is_taken_from_the_working_directory(spark, config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(config, "output.path=relative-out") == 0
+    assert (
+        labels_of(spark, tmp_path / "relative-out", "first").count()
+        == MIXTURE["devices"] * MIXTURE["points_per_device"]
+    )
+
+
+def test_catalog_table_in_and_registered_tables_out(spark, config, tmp_path, mixture_path):
+    spark.sql("CREATE DATABASE IF NOT EXISTS kfed_source")
+    spark.read.parquet(mixture_path).write.format("delta").saveAsTable("kfed_source.devices")
+    assert (
+        run_cli(
+            config,
+            "input.path=null",
+            "input.table=kfed_source.devices",
+            "output.database=kfed_test",
+            f"output.path={tmp_path / 'catalogued'}",
+        )
+        == 0
+    )
+    sizes = spark.sql(
+        "SELECT cluster_id, count(*) AS n FROM kfed_test.labels WHERE run_id = 'first' GROUP BY cluster_id"
+    ).collect()
+    assert sum(r.n for r in sizes) == MIXTURE["devices"] * MIXTURE["points_per_device"]
+    assert spark.sql("SELECT n_labelled FROM kfed_test.runs").first().n_labelled == sum(r.n for r in sizes)
+    assert spark.table("kfed_test.centers").count() == MIXTURE["k"]
+
+
+def test_an_output_location_of_the_previous_version_gains_the_new_table_and_columns(spark, config, tmp_path):
+    """Written before device_clusters existed and before runs had local_restarts and robust_min_size."""
+    out = tmp_path / "out"
+    assert run_cli(config) == 0
+    runs_path = str(out / "runs")
+    older = spark.read.format("delta").load(runs_path).drop("local_restarts", "robust_min_size")
+    older.write.format("delta").mode("overwrite").option("overwriteSchema", "true").partitionBy(
+        "run_id", "attempt_id"
+    ).save(runs_path)
+    shutil.rmtree(out / "device_clusters")
+    assert run_cli(config, "run_id=second") == 0
+    rows = {r.run_id: r for r in runs_of(spark, out)}
+    assert (rows["first"].local_restarts, rows["first"].robust_min_size) == (None, None)
+    assert rows["second"].local_restarts == DEFAULTS.local_restarts
+    assert rows["second"].robust_min_size == DEFAULTS.robust_min_size
+    assert published(spark, out, "device_clusters").filter("run_id = 'second'").count() > 0
+
+
+def test_every_table_and_column_carries_a_comment(spark, published_run):
+    """DESCRIBE shows what a column means, DESCRIBE DETAIL what the table holds."""
+    _, out = published_run
+    for name in TABLES:
+        assert_commented(spark, out / name, name)
+    labels = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{out / 'labels'}`").collect()}
+    assert (labels["cluster_id"], labels["features"]) == ("the global cluster of the row", "as in the input table")
