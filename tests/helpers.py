@@ -238,3 +238,35 @@ def dirty_input(spark, path):
         (7, "b", [1.0, None]),
     ]
     spark.createDataFrame(rows, "row_id long, device_id string, features array<double>").write.parquet(str(path))
+
+
+SUBMIT_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.sql.shuffle.partitions": "2",
+}
+"""What the tests' spark-submit processes set beyond the job's config: small sizes, no UI."""
+
+
+def spark_submit_job(config: Path, output: Path, master: str = "local[2]", env: dict | None = None):
+    """jobs/kfed_job.py under pyspark's own spark-submit, as the README's cluster section runs it (with the
+    Delta package matching the installed versions): the finished process, its output captured."""
+    from kfed_spark.session import delta_package
+
+    conf = [arg for key, value in SUBMIT_CONF.items() for arg in ("--conf", f"{key}={value}")]
+    command = [
+        str(spark_home() / "bin" / "spark-submit"),
+        "--master",
+        master,
+        "--packages",
+        delta_package(),
+        *conf,
+        str(ROOT / "jobs" / "kfed_job.py"),
+        "--config",
+        str(config),
+        "--set",
+        f"output.path={output}",
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, check=False, timeout=600, env={**os.environ, **(env or {})}
+    )

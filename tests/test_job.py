@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -13,13 +12,13 @@ from helpers import (
     FAR_MIXTURE,
     FEATURE_MOVES,
     MIXTURE,
-    ROOT,
     by_row,
     labels_of,
     published,
     report_folder,
     run_cli,
     runs_of,
+    spark_submit_job,
     spread,
     write_empty_config,
 )
@@ -287,36 +286,8 @@ def test_bad_config_exits_non_zero_with_one_line(tmp_path):
 @pytest.mark.integration  # spark-submit
 def test_spark_submit_job_matches_the_cli(spark, config, tmp_path):
     """jobs/kfed_job.py under spark-submit writes the same labels as `kfed-spark run`."""
-    from pyspark.find_spark_home import _find_spark_home
-
-    from kfed_spark.session import delta_package
-
     assert run_cli(config) == 0
-    submit = Path(_find_spark_home()) / "bin" / "spark-submit"
-    result = subprocess.run(
-        [
-            str(submit),
-            "--master",
-            "local[2]",
-            "--packages",
-            delta_package(),
-            "--conf",
-            "spark.ui.enabled=false",
-            "--conf",
-            "spark.databricks.delta.snapshotPartitions=2",
-            "--conf",
-            "spark.sql.shuffle.partitions=2",
-            str(ROOT / "jobs" / "kfed_job.py"),
-            "--config",
-            str(config),
-            "--set",
-            f"output.path={tmp_path / 'submitted'}",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
+    result = spark_submit_job(config, tmp_path / "submitted")
     assert result.returncode == 0, result.stderr[-3000:]
     expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
     got = labels_of(spark, tmp_path / "submitted", "first").select("row_id", "cluster_id").orderBy("row_id").collect()

@@ -1,18 +1,25 @@
 """Bad input, faults and re-runs: every row accounted for, every error clear, no partial runs."""
 
-import subprocess
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import functions as F
 
-from helpers import MIXTURE, ROOT, dirty_input, labels_of, published, refused, run_cli, runs_of, write_empty_config
+from helpers import (
+    MIXTURE,
+    dirty_input,
+    labels_of,
+    published,
+    refused,
+    run_cli,
+    runs_of,
+    spark_submit_job,
+    write_empty_config,
+)
 from kfed_spark.cli import main
 from kfed_spark.faults import FAULT_ENV
 from kfed_spark.metrics import adjusted_rand_index
-from kfed_spark.session import delta_package
 
 
 def sorted_labels(spark, out, run_id="first"):
@@ -84,31 +91,8 @@ def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_
 @pytest.mark.integration  # spark-submit
 def test_a_retried_local_step_gives_the_same_labels(spark, config, tmp_path):
     """Every local-step task fails once; Spark retries it (local[2,4]); labels equal an undisturbed run."""
-    import os
-
-    from pyspark.find_spark_home import _find_spark_home
-
     assert run_cli(config) == 0
-    submit = [
-        str(_find_spark_home() + "/bin/spark-submit"),
-        "--master",
-        "local[2,4]",
-        "--packages",
-        delta_package(),
-        "--conf",
-        "spark.ui.enabled=false",
-        "--conf",
-        "spark.databricks.delta.snapshotPartitions=2",
-        "--conf",
-        "spark.sql.shuffle.partitions=2",
-        str(ROOT / "jobs" / "kfed_job.py"),
-        "--config",
-        str(config),
-        "--set",
-        f"output.path={tmp_path / 'retried'}",
-    ]
-    env = {**os.environ, FAULT_ENV: "fail_first_attempt"}
-    result = subprocess.run(submit, capture_output=True, text=True, check=False, timeout=600, env=env)
+    result = spark_submit_job(config, tmp_path / "retried", "local[2,4]", {FAULT_ENV: "fail_first_attempt"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "injected failure in the first attempt of local-step task" in result.stderr
     assert sorted_labels(spark, tmp_path / "retried") == sorted_labels(spark, tmp_path / "out")
