@@ -270,3 +270,46 @@ def spark_submit_job(config: Path, output: Path, master: str = "local[2]", env: 
     return subprocess.run(
         command, capture_output=True, text=True, check=False, timeout=600, env={**os.environ, **(env or {})}
     )
+
+
+CLI = Path(sys.executable).parent / "kfed-spark"
+"""The test environment's kfed-spark, by its absolute path, as cron, systemd or Airflow start it."""
+
+
+def clean_environment() -> dict[str, str]:
+    """This process's environment without a fault for the CLI to act out (kfed_spark.faults)."""
+    from kfed_spark.faults import FAULT_ENV
+
+    return {key: value for key, value in os.environ.items() if key != FAULT_ENV}
+
+
+def cli_process(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+) -> subprocess.Popen:
+    """`kfed-spark ARGS` as a process of its own, started by its absolute path; env: its whole environment
+    (default clean_environment()); its output as text."""
+    return subprocess.Popen(
+        [str(CLI), *args],
+        env=clean_environment() if env is None else env,
+        cwd=cwd,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+    )
+
+
+def run_cli_process(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """cli_process() run to its end: its exit code, stdout and stderr."""
+    process = cli_process(*args, env=env, cwd=cwd)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)

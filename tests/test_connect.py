@@ -23,6 +23,7 @@ from helpers import (
     mixture_estimator,
     report_folder,
     run_cli,
+    run_cli_process,
     servers,
     spark_home,
     wait_for_port,
@@ -30,9 +31,6 @@ from helpers import (
 from kfed_spark.session import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
-
-
-CLI = str(Path(sys.executable).parent / "kfed-spark")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +67,7 @@ def cli(*args: str, remote: str | None = None, cwd: Path) -> subprocess.Complete
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYSPARK")}
     if remote:
         env["SPARK_REMOTE"] = remote
-    return subprocess.run([CLI, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    return run_cli_process(*args, env=env, cwd=cwd)
 
 
 def test_cli_over_connect_writes_what_a_classic_session_writes(spark, config, tmp_path, connect_url):

@@ -1,14 +1,12 @@
 """The job where users start it: tested with processes whose environment is not the developer's."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import MIXTURE, bare_environment, published
+from helpers import MIXTURE, bare_environment, clean_environment, cli_process, published, run_cli_process
 from kfed_spark.cli import main
 from kfed_spark.session import delta_package
 
@@ -19,23 +17,15 @@ def test_the_cli_started_by_its_absolute_path_needs_no_activated_environment(spa
     """cron, systemd or a BashOperator start /path/to/env/bin/kfed-spark with a PATH whose python3 has
     no numpy: local-mode workers must run the CLI's own interpreter, not `python3` from PATH."""
     env = bare_environment(tmp_path / "bare")  # asserts that its python3 has no numpy
-    cli = Path(sys.executable).parent / "kfed-spark"
-    result = subprocess.run(
-        [str(cli), "run", "--config", str(config)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
-    )
+    result = run_cli_process("run", "--config", str(config), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert published(spark, tmp_path / "out", "labels").count() == MIXTURE["devices"] * MIXTURE["points_per_device"]
     # Delta's jars, resolved once (by the test session), are named directly: no Ivy report on every start.
     assert ":: retrieving ::" not in result.stderr and "Ivy Default Cache" not in result.stderr
 
     # --quiet: no stage lines, and the one-line error is the last line on stderr.
-    failed = subprocess.run(
-        [str(cli), "run", "--config", str(config), "--quiet", "--set", "input.truth_col=nope"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    failed = run_cli_process(
+        "run", "--config", str(config), "--quiet", "--set", "input.truth_col=nope", env=env, cwd=tmp_path
     )
     lines = [line for line in failed.stderr.splitlines() if line.strip()]
     assert failed.returncode == 2 and lines[-1].startswith("kfed-spark: error: input has no truth column 'nope'")
@@ -59,14 +49,13 @@ def test_without_delta_on_the_classpath_the_last_line_says_so(config, tmp_path):
     from pyspark.find_spark_home import _find_spark_home
 
     not_delta = next((Path(_find_spark_home()) / "jars").glob("slf4j-api-*.jar"))
-    cli = Path(sys.executable).parent / "kfed-spark"
-    result = subprocess.run(
-        [str(cli), "run", "--config", str(config), "--quiet"],
+    result = run_cli_process(
+        "run",
+        "--config",
+        str(config),
+        "--quiet",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "KFED_DELTA_JARS": str(not_delta)},
+        env={**clean_environment(), "KFED_DELTA_JARS": str(not_delta)},
     )
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 1 and last.startswith("kfed-spark: error: Delta Lake is not on Spark's classpath")
@@ -107,28 +96,24 @@ def test_a_failing_run_logs_no_progress_bar_to_a_file(mixture_path, tmp_path):
     """The local template run as cron or Airflow runs it, stderr to a file: no carriage return (Spark's
     progress bar is off), and the error is the last line, of its own."""
     env = bare_environment(tmp_path / "bare")
-    cli = Path(sys.executable).parent / "kfed-spark"
     template = Path(__file__).resolve().parents[1] / "conf" / "local.yaml"
     with open(tmp_path / "stderr.log", "wb") as log_file:
-        failed = subprocess.run(
-            [
-                str(cli),
-                "run",
-                "--config",
-                str(template),
-                "--set",
-                f"input.path={mixture_path}",
-                "--set",
-                "k=100000",
-                "--set",
-                "spark.conf.spark.sql.shuffle.partitions=2",
-            ],
-            cwd=tmp_path / "bare",
+        failed = cli_process(
+            "run",
+            "--config",
+            str(template),
+            "--set",
+            f"input.path={mixture_path}",
+            "--set",
+            "k=100000",
+            "--set",
+            "spark.conf.spark.sql.shuffle.partitions=2",
             env=env,
+            cwd=tmp_path / "bare",
             stdout=subprocess.DEVNULL,
             stderr=log_file,
-            timeout=600,
         )
+        failed.wait(timeout=600)
     logged = (tmp_path / "stderr.log").read_bytes()
     assert failed.returncode == 2 and b"\r" not in logged and b"[Stage" not in logged
     assert logged.decode().rstrip("\n").splitlines()[-1].startswith("kfed-spark: error: k = 100000 is more than the ")

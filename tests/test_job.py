@@ -1,8 +1,6 @@
 """The whole job on real Spark (local mode) writing real Delta tables."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,6 +15,7 @@ from helpers import (
     published,
     report_folder,
     run_cli,
+    run_cli_process,
     runs_of,
     spark_submit_job,
     spread,
@@ -271,12 +270,7 @@ def test_bad_input_gives_one_line_error(spark, config, capsys, overrides, messag
 
 @pytest.mark.fast
 def test_bad_config_exits_non_zero_with_one_line(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "kfed_spark.cli", "run", "--config", str(tmp_path / "nope.yaml")],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = run_cli_process("run", "--config", str(tmp_path / "nope.yaml"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"kfed-spark: error: cannot read config file {tmp_path / 'nope.yaml'}: No such file or directory"
@@ -319,27 +313,18 @@ def test_a_run_with_truth_and_report_reads_its_input_in_three_stages(config, tmp
     pass read every row; counting, evaluation and the report's sample add no pass of their own."""
     events = tmp_path / "events"
     events.mkdir()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kfed_spark.cli",
-            "run",
-            "--config",
-            str(config),
-            "--set",
-            "report=true",
-            "--set",
-            "spark.conf.spark.eventLog.enabled=true",
-            "--set",
-            "spark.conf.spark.eventLog.compress=false",
-            "--set",
-            f"spark.conf.spark.eventLog.dir={events.as_uri()}",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
+    result = run_cli_process(
+        "run",
+        "--config",
+        str(config),
+        "--set",
+        "report=true",
+        "--set",
+        "spark.conf.spark.eventLog.enabled=true",
+        "--set",
+        "spark.conf.spark.eventLog.compress=false",
+        "--set",
+        f"spark.conf.spark.eventLog.dir={events.as_uri()}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     read_by_stage = {}

@@ -8,17 +8,14 @@ DuckDB recipe.
 """
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import duckdb
 import pytest
 from deltalake import DeltaTable
 
-from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, runs_of
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, clean_environment, cli_process, runs_of
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.errors import KFedError
@@ -36,14 +33,9 @@ publish commit (before the earlier attempt is marked superseded)."""
 
 
 def start(config, *overrides, fault=None):
-    """The CLI in a process of its own."""
-    env = {key: value for key, value in os.environ.items() if key != FAULT_ENV}
-    if fault:
-        env[FAULT_ENV] = fault
-    args = [sys.executable, "-m", "kfed_spark.cli", "run", "--config", str(config)]
-    for item in overrides:
-        args += ["--set", item]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    """`kfed-spark run` in a process of its own, acting out `fault` if given."""
+    env = {**clean_environment(), **({FAULT_ENV: fault} if fault else {})}
+    return cli_process("run", "--config", str(config), *[arg for item in overrides for arg in ("--set", item)], env=env)
 
 
 def finish(process, timeout=300):

@@ -1,10 +1,8 @@
 """Streaming: `kfed-spark stream` labels rows as they arrive, exactly once, and KFedModel.transform is a lazy
 plan that streams."""
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -16,7 +14,17 @@ from deltalake import DeltaTable
 from pyspark.ml.functions import array_to_vector
 from pyspark.sql import functions as F
 
-from helpers import MIXTURE, assert_commented, by_row, labels_of, mixture_estimator, run_cli
+from helpers import (
+    MIXTURE,
+    assert_commented,
+    by_row,
+    clean_environment,
+    cli_process,
+    labels_of,
+    mixture_estimator,
+    run_cli,
+    run_cli_process,
+)
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
 from kfed_spark.estimator import KFedModel
@@ -227,9 +235,6 @@ def test_a_stream_killed_with_sigkill_resumes_without_duplicates_and_stops_at_on
     for i, part in enumerate(parts):
         pq.write_table(part, source / f"part-{i}.parquet")
     args = [
-        sys.executable,
-        "-m",
-        "kfed_spark.cli",
         "stream",
         "--config",
         str(config),
@@ -240,18 +245,14 @@ def test_a_stream_killed_with_sigkill_resumes_without_duplicates_and_stops_at_on
     ]
     for name in ("labels", "quarantine", "checkpoint"):
         args += ["--set", f"stream.{name}={tmp_path / name}"]
-    killed = subprocess.run(
-        args + ["--available-now"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, FAULT_ENV: "kill:stream_batch"},
+    killed = run_cli_process(
+        *args, "--available-now", timeout=300, env={**clean_environment(), FAULT_ENV: "kill:stream_batch"}
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
 
     log = tmp_path / "resumed.log"
     with open(log, "w") as err:
-        resumed = subprocess.Popen(args + ["--trigger-seconds", "1"], stdout=subprocess.DEVNULL, stderr=err)
+        resumed = cli_process(*args, "--trigger-seconds", "1", stdout=subprocess.DEVNULL, stderr=err)
         try:
             deadline = time.monotonic() + 240
             while log.read_text().count("stream batch ") < 3 and time.monotonic() < deadline:  # the killed batch
