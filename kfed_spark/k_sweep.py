@@ -127,10 +127,10 @@ class KSweep:
 
 
 def k_values(lo: int, hi: int, step: int = 1) -> list[int]:
-    """The ks of a range LO:HI[:STEP], both ends included."""
+    """The ks of a range LO:HI[:STEP]: every STEP-th from LO, and HI."""
     if not 1 <= lo <= hi or step < 1:
         raise ValueError(f"a k range needs 1 <= LO <= HI and STEP >= 1, got {lo}:{hi}:{step}")
-    return list(range(lo, hi + 1, step))
+    return sorted({*range(lo, hi + 1, step), hi})
 
 
 def sweep(

@@ -77,6 +77,6 @@ def test_shifting_or_scaling_the_features_changes_no_choice():
 
 
 def test_a_k_range_is_checked():
-    assert k_values(2, 10, 4) == [2, 6, 10]
+    assert k_values(2, 10, 4) == [2, 6, 10] and k_values(2, 11, 4) == [2, 6, 10, 11]
     with pytest.raises(ValueError, match="1 <= LO <= HI"):
         k_values(5, 3)
