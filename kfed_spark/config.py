@@ -162,8 +162,6 @@ def build_config(raw: dict[str, Any]) -> KFedConfig:
             raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(_field_names(KFedConfig)))}")
     if isinstance(values.get("run_id"), (date, datetime)):  # YAML reads `run_id: 2026-11-29` as a date
         values["run_id"] = values["run_id"].isoformat()
-    if isinstance(values.get("k_range"), list):  # YAML's [2, 30]
-        values["k_range"] = tuple(values["k_range"])
     identity = values.get("identity")
     if identity is not None and isinstance(identity.reference, (date, datetime)):
         values["identity"] = dataclasses.replace(identity, reference=identity.reference.isoformat())

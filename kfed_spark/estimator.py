@@ -36,6 +36,7 @@ from kfed_spark.fitting import REASON_COL, LocalCenters, fit, labelled_plan
 from kfed_spark.identity import match_clusters
 from kfed_spark.io import OutputTables
 from kfed_spark.k_sweep import KSweep, k_values
+from kfed_spark.kernels import between_sse
 from kfed_spark.models import SAVED_LOCAL_CENTERS, StoredModel, read_saved, saved_cluster_ids, stored_model
 from kfed_spark.params import AlgorithmParams, camel
 from kfed_spark.workers import SQ_DIST_COL
@@ -596,9 +597,9 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         """clusterSizes in the order of clusterIds."""
         stored = self._stored
         local = LocalCenters.from_arrow(stored.local, stored.dim)
-        gap = local.centers - stored.centers[stored.assignment]
-        sse = stored.local.column("sse").to_numpy()
-        cost = float(np.sum(sse) + np.sum(local.counts * np.einsum("ij,ij->i", gap, gap)))
+        cost = float(
+            np.sum(local.sse) + np.sum(between_sse(local.centers, local.counts, stored.centers, stored.assignment))
+        )
         sizes = np.bincount(stored.assignment, weights=local.counts, minlength=len(stored.centers)).astype(int)
         return KFedSummary(cost, sizes.tolist(), len(np.unique(local.devices)), len(local.counts))
 

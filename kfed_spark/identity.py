@@ -25,7 +25,7 @@ import pandas as pd
 import pyarrow as pa
 from scipy.optimize import linear_sum_assignment
 
-from kfed_spark.kernels import squared_distances
+from kfed_spark.kernels import between_sse, squared_distances
 
 MATCH_SPREADS = 1.0
 """A cluster whose center moved more than this many times its rows' root-mean-square distance to the
@@ -57,11 +57,11 @@ class ClusterSummary:
     ) -> "ClusterSummary":
         """From a run's global centers and its local centers (each with its position in `centers`):
         a cluster's SSE is its local centers' SSEs plus each one's count times its squared distance to
-        the global center (the centers are moved near the origin first, for the accuracy)."""
+        the global center (kernels.between_sse)."""
         k = len(centers)
-        origin = centers.mean(axis=0)
-        gap = (local_centers - origin) - (centers - origin)[assignment]
-        sse = np.bincount(assignment, weights=local_sse + local_counts * np.einsum("ij,ij->i", gap, gap), minlength=k)
+        sse = np.bincount(
+            assignment, weights=local_sse + between_sse(local_centers, local_counts, centers, assignment), minlength=k
+        )
         device_index = np.unique(local_devices, return_inverse=True)[1]
         pairs = np.unique(np.stack([assignment, device_index]), axis=1)
         return cls(

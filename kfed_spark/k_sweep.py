@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kfed_spark.kernels import SERVER_RNG_KEY, centered, device_rng, server_step, squared_distances
+from kfed_spark.kernels import SERVER_RNG_KEY, between_sse, centered, device_rng, server_step, squared_distances
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
 
@@ -156,8 +156,7 @@ def sweep(
         start = time.perf_counter()
         server = server_step(centers, counts, devices, local_ids, dataclasses.replace(params, k=k))
         assignments[k] = server.assignment
-        diff = centers - server.centers[server.assignment]
-        between = weights * np.einsum("ij,ij->i", diff, diff)
+        between = between_sse(centers, weights, server.centers, server.assignment)
         figures.append(
             KFigures(
                 k=k,

@@ -680,6 +680,15 @@ def _farthest_point_seeds(x: np.ndarray, initial: np.ndarray, eligible: np.ndarr
     return np.asarray(seeds)
 
 
+def between_sse(
+    local_centers: np.ndarray, local_counts: np.ndarray, centers: np.ndarray, assignment: np.ndarray
+) -> np.ndarray:
+    """Each local center's count times its squared distance to its global center (centers[assignment]):
+    with the local centers' own SSEs, the exact within-cluster SSE of the rows they stand for."""
+    gap = np.asarray(local_centers, dtype=np.float64) - np.asarray(centers, dtype=np.float64)[assignment]
+    return np.asarray(local_counts, dtype=np.float64) * np.einsum("ij,ij->i", gap, gap)
+
+
 def too_few_distinct(k: int, distinct: int) -> ValueError:
     """The error of a server step asked for more clusters than there are distinct local centers."""
     return ValueError(

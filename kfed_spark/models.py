@@ -75,13 +75,7 @@ class StoredModel:
         """The model's global clusters as identity matching knows them."""
         local = LocalCenters.from_arrow(self.local, self.dim)
         return ClusterSummary.of(
-            self.cluster_ids,
-            self.centers,
-            self.assignment,
-            local.centers,
-            local.counts,
-            self.local.column("sse").to_numpy(),
-            local.devices,
+            self.cluster_ids, self.centers, self.assignment, local.centers, local.counts, local.sse, local.devices
         )
 
     def sweep(self, ks: list[int], params: AlgorithmParams | None = None) -> KSweep:

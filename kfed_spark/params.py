@@ -153,13 +153,14 @@ class AlgorithmParams:
         """The algorithm's parameters out of anything that has them (a KFedConfig, say), and nothing else."""
         return cls(**{spec.name: getattr(settings, spec.name) for spec in fields(cls)})
 
+    def __post_init__(self) -> None:
+        if isinstance(self.k_range, list):  # as YAML and JSON give it: [2, 30]
+            object.__setattr__(self, "k_range", tuple(self.k_range))
+
     @classmethod
     def of_config(cls, config: dict) -> "AlgorithmParams":
         """The parameters a run recorded (its runs row's config, as JSON); a parameter added since takes its default."""
-        values = {spec.name: config[spec.name] for spec in fields(cls) if spec.name in config}
-        if isinstance(values.get("k_range"), list):
-            values["k_range"] = tuple(values["k_range"])
-        return cls(**values)
+        return cls(**{spec.name: config[spec.name] for spec in fields(cls) if spec.name in config})
 
     @property
     def largest_k(self) -> int:

@@ -306,10 +306,11 @@ def run_cli_process(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """cli_process() run to its end: its exit code, stdout and stderr."""
-    process = cli_process(*args, env=env, cwd=cwd)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    return subprocess.run(
+        [str(CLI), *args],
+        env=clean_environment() if env is None else env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
