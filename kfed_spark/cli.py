@@ -15,7 +15,13 @@ from pathlib import Path
 from kfed_spark.config import KFedConfig, build_config, load_config
 from kfed_spark.errors import KFedError
 from kfed_spark.failures import describe
-from kfed_spark.stopping import STOP_REQUESTED, STREAM_STOPPED, Terminated, stop_on_sigterm
+from kfed_spark.stopping import (
+    STOP_REQUESTED,
+    STREAM_STOPPED,
+    Terminated,
+    silence_spark_after_stop,
+    stop_on_sigterm,
+)
 
 DEMO_FOLDER = "kfed-demo"
 DATASET_NAMES = ("femnist", "mnist", "shakespeare")
@@ -43,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         message = describe(exc)
         if message is None:
             raise
+        if STOP_REQUESTED.is_set():
+            silence_spark_after_stop()
         # On a terminal Spark's progress bar may hold the line: back to its start and clear it first. After
-        # SIGTERM the JVM may still be logging the interrupted jobs' traces, in chunks that can end mid-line
+        # SIGTERM the JVM may have been logging the interrupted jobs' traces, in chunks that can end mid-line
         # (a stream's test once saw '^kfed-spark: error: ...'): the error line then starts on a line of its own.
         start_of_line = "\r\x1b[K" if sys.stderr.isatty() else "\n" if STOP_REQUESTED.is_set() else ""
         print(f"{start_of_line}kfed-spark: error: {message}", file=sys.stderr)

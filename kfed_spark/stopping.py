@@ -52,3 +52,19 @@ def stop_on_sigterm(message: str = STOPPED) -> None:
     STOP_REQUESTED.message = message
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
+
+
+def silence_spark_after_stop(timeout: float = 5.0) -> None:
+    """After SIGTERM, and before the error line: turn Spark's log off, so that nothing the JVM logs while
+    the process exits (a stream's falling-behind warning, an interrupted job's trace) follows the error
+    line. The session is not stopped: its interrupted tasks may hang, and the process is exiting anyway.
+    A Spark Connect client has no JVM log here. Bounded by `timeout`, from a thread of its own."""
+    from pyspark.sql import SparkSession
+
+    from kfed_spark.session import last_built_session
+
+    spark = last_built_session()
+    if isinstance(spark, SparkSession):
+        silencer = threading.Thread(target=spark.sparkContext.setLogLevel, args=("OFF",), daemon=True)
+        silencer.start()
+        silencer.join(timeout)
