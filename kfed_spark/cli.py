@@ -205,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="where the executors' Python 3.11 lives, if not at this machine's prefix",
     )
+    package.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="build the environment anew, not from the one cached for the same requirements (~/.cache/kfed-spark)",
+    )
     package.set_defaults(handler=command_package)
 
     generate = commands.add_parser("generate", help="write a heterogeneous Gaussian mixture as Parquet")
@@ -632,7 +637,7 @@ def command_maintain(args: argparse.Namespace) -> int:
 def command_package(args: argparse.Namespace) -> int:
     from kfed_spark.packaging import build
 
-    packaged = build(Path(args.out), args.python_prefix)
+    packaged = build(Path(args.out), args.python_prefix, args.rebuild)
     print(
         f"wrote {packaged.package_zip} and {packaged.env_archive} ({' '.join(packaged.requirements)})\n"
         f"ship them with: --py-files {packaged.package_zip} --archives {packaged.env_archive}#environment "

@@ -11,12 +11,22 @@ Why venv-pack: conda-pack needs conda, which pip users do not have; PEX would wo
 documents both), but a packed venv unpacks to a plain directory on each executor, which is easier to
 inspect when a worker fails. Neither carries the interpreter itself: the executors need this Python
 version at this prefix (or at `--python-prefix`); a cluster without it needs a container image.
+
+Building the environment takes most of a minute; a scheduled deployment that packages before each
+submit, or a second checkout on one machine, would pay it every time for the same bytes. So a packed
+environment is kept under ~/.cache/kfed-spark (XDG_CACHE_HOME if set), keyed by everything that goes
+into it (the pinned requirements, venv-pack, this interpreter, the prefix and this module), and copied from there
+while none of that changes; `--rebuild` builds it anew.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ENV_ARCHIVE = "kfed-env.tar.gz"
 PACKAGE_ZIP = "kfed_spark.zip"
+VENV_PACK = "venv-pack==0.2.0"
 PROVIDED_BY_SPARK = {"pyspark", "delta-spark"}
 """The cluster's Spark puts pyspark on its workers' path; Delta's jar comes with --packages."""
 
@@ -64,28 +75,46 @@ def write_package_zip(target: Path) -> Path:
     return target
 
 
-def build(out: Path, python_prefix: str | None = None) -> Packaged:
-    """Write the package zip and a packed environment into `out`."""
+def build(out: Path, python_prefix: str | None = None, rebuild: bool = False) -> Packaged:
+    """Write the package zip and a packed environment into `out` (the environment from the cache when
+    one was packed from the same inputs, unless `rebuild`)."""
     out.mkdir(parents=True, exist_ok=True)
     requirements = runtime_requirements()
+    archive = out / ENV_ARCHIVE
+    cached = packed_cache() / f"{environment_key(requirements, python_prefix)}.tar.gz"
+    if rebuild or not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+        pack_environment(requirements, python_prefix, partial)
+        os.replace(partial, cached)  # whole or absent, for a build running beside this one
+    else:
+        log.info("reusing the environment packed from the same requirements: %s", cached)
+    archive.unlink(missing_ok=True)
+    shutil.copyfile(cached, archive)
+    return Packaged(write_package_zip(out / PACKAGE_ZIP), archive, requirements)
+
+
+def packed_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kfed-spark" / "packed-environments"
+
+
+def environment_key(requirements: list[str], python_prefix: str | None) -> str:
+    """A digest of what a packed environment is made of: the pinned requirements, venv-pack, the
+    interpreter the venv is made from (its path and version), the prefix it is packed for, and this
+    module, which builds it."""
+    builder = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    inputs = [requirements, VENV_PACK, os.path.realpath(sys.executable), sys.version, python_prefix, builder]
+    return hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:20]
+
+
+def pack_environment(requirements: list[str], python_prefix: str | None, archive: Path) -> None:
+    """A virtual environment with `requirements`, packed by venv-pack into `archive`."""
     with tempfile.TemporaryDirectory(prefix="kfed-env-") as work:
         env = Path(work) / "environment"
         log.info("creating a virtual environment with %s", " ".join(requirements))
         run([sys.executable, "-m", "venv", str(env)])
-        run(
-            [
-                str(env / "bin" / "python"),
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "venv-pack==0.2.0",
-                *requirements,
-            ]
-        )
-        archive = out / ENV_ARCHIVE
-        archive.unlink(missing_ok=True)
+        pip = [str(env / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        run([*pip, VENV_PACK, *requirements])
         log.info("packing it into %s", archive)
         pack = [
             str(env / "bin" / "venv-pack"),
@@ -98,7 +127,6 @@ def build(out: Path, python_prefix: str | None = None) -> Packaged:
             "--quiet",
         ]
         run(pack + (["--python-prefix", python_prefix] if python_prefix else []))
-    return Packaged(write_package_zip(out / PACKAGE_ZIP), archive, requirements)
 
 
 def run(command: list[str]) -> None:

@@ -5,7 +5,14 @@ from importlib.metadata import version
 
 import pytest
 
-from kfed_spark.packaging import runtime_requirements, write_package_zip
+from kfed_spark.packaging import (
+    ENV_ARCHIVE,
+    build,
+    environment_key,
+    packed_cache,
+    runtime_requirements,
+    write_package_zip,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -22,3 +29,18 @@ def test_the_package_zip_holds_every_module_under_its_package_name(tmp_path):
         names = archive.namelist()
     assert {"kfed_spark/job.py", "kfed_spark/__init__.py", "kfed_spark/bench/synthetic.py"} <= set(names)
     assert all(name.startswith("kfed_spark/") and name.endswith(".py") for name in names)
+
+
+def test_an_environment_packed_from_the_same_inputs_is_copied_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    key = environment_key(runtime_requirements(), None)
+    assert key != environment_key(runtime_requirements(), "/opt/python") != environment_key(["numpy==1.0"], None)
+    cached = packed_cache() / f"{key}.tar.gz"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"packed before")  # not an archive: a build would replace it, a copy keeps it
+    packaged = build(tmp_path / "dist")
+    assert (
+        packaged.env_archive == tmp_path / "dist" / ENV_ARCHIVE
+        and packaged.env_archive.read_bytes() == b"packed before"
+    )
+    assert packaged.package_zip.is_file()
