@@ -16,6 +16,7 @@ import pytest
 from deltalake import DeltaTable
 
 from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, clean_environment, cli_process, runs_of
+from kfed_spark.attempts import published_attempts
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.errors import KFedError
@@ -95,8 +96,7 @@ def assert_whole(seen, attempt, k, latest=True):
 
 
 def published_attempt(spark, out, run_id="first"):
-    found = [r for r in runs_of(spark, out) if r.run_id == run_id and r.status == "succeeded"]
-    return max(found, key=lambda r: r.publish_seq).attempt_id if found else None
+    return published_attempts([r.asDict() for r in runs_of(spark, out)]).get(run_id)
 
 
 def raw_attempts(spark, out, name="labels"):
