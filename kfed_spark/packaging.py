@@ -81,10 +81,11 @@ def build(out: Path, python_prefix: str | None = None, rebuild: bool = False) ->
     out.mkdir(parents=True, exist_ok=True)
     requirements = runtime_requirements()
     archive = out / ENV_ARCHIVE
-    cached = packed_cache() / f"{environment_key(requirements, python_prefix)}.tar.gz"
+    key = environment_key(requirements, python_prefix)
+    cached = packed_cache() / f"{key}.tar.gz"
     if rebuild or not cached.is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+        partial = cached.with_name(f"{key}.{os.getpid()}.partial.tar.gz")  # venv-pack goes by the extension
         pack_environment(requirements, python_prefix, partial)
         os.replace(partial, cached)  # whole or absent, for a build running beside this one
     else:

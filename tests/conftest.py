@@ -22,31 +22,18 @@ JVM_FIXTURES = {"spark", "config", "published_run", "standalone_master", "connec
 """Fixtures that start Spark, or a run that starts it."""
 
 
-SHARED_SERVERS = ("standalone_master", "connect_url")
-"""Session fixtures that start servers: the tests using one run in one pytest-xdist worker, which starts it once."""
-
-
 def pytest_collection_modifyitems(items):
-    """Refuse a test without exactly one tier, and a fast one that asks for a fixture that starts Spark.
-    Then order the tests for pytest-xdist's two workers: integration first (the longest: a worker
-    that takes one late would run on alone), and one group per shared server."""
+    """Refuse a test without exactly one tier, and a fast one that asks for a fixture that starts Spark."""
     wrong = []
-    tier_of = {}
     for item in items:
         tiers = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
         if len(tiers) != 1 or ("fast" in tiers and JVM_FIXTURES & set(item.fixturenames)):
             wrong.append(f"{item.nodeid}: {', '.join(sorted(tiers)) or 'no tier'}")
-        tier_of[item.nodeid] = TIERS.index(min(tiers, key=TIERS.index)) if tiers else 0
-        for server in SHARED_SERVERS:
-            if server in item.fixturenames:
-                item.add_marker(pytest.mark.xdist_group(server))
-                break
     if wrong:
         raise pytest.UsageError(
             "every test needs one tier marker (fast, spark or integration), and a fast one "
             "no Spark fixture:\n" + "\n".join(wrong)
         )
-    items.sort(key=lambda item: -tier_of[item.nodeid])
 
 
 @pytest.fixture(autouse=True)
