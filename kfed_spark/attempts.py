@@ -29,11 +29,10 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
 
 from kfed_spark.errors import AttemptConflict, ConfigError, first_line
 from kfed_spark.io import OutputTables, attempt_filter
-from kfed_spark.tables import RUNS_SCHEMA
+from kfed_spark.tables import RUNS_SCHEMA, RunRecord
 
 log = logging.getLogger("kfed_spark")
 
@@ -81,34 +80,37 @@ class Ledger:
         self.tables = tables
         self.spark = tables.spark
 
-    def rows(self) -> list[dict[str, Any]]:
-        return [row.asDict() for row in self.tables.read("runs").collect()]
+    def rows(self) -> list[RunRecord]:
+        return [RunRecord.of(row.asDict()) for row in self.tables.read("runs").collect()]
 
-    def rows_if_any(self) -> list[dict[str, Any]]:
+    def rows_if_any(self) -> list[RunRecord]:
         """rows(), or none where the location has no runs table yet."""
         return self.rows() if self.tables.check_log("runs") else []
 
-    def row_of(self, run_id: str, attempt_id: str) -> dict[str, Any] | None:
+    def row_of(self, run_id: str, attempt_id: str) -> RunRecord | None:
         found = self.tables.read("runs").filter(attempt_filter(run_id, attempt_id)).collect()
-        return found[0].asDict() if found else None
+        return RunRecord.of(found[0].asDict()) if found else None
 
-    def write(self, row: dict[str, Any], fence: int | None = None, new: bool = False) -> None:
+    def status_of(self, run_id: str, attempt_id: str) -> str | None:
+        row = self.row_of(run_id, attempt_id)
+        return None if row is None else row.status
+
+    def write(self, row: RunRecord, fence: int | None = None, new: bool = False) -> None:
         """Replace the attempt's row (fenced: see OutputTables.write_attempt_row), or add it if `new`."""
-        # .get: a row an older version wrote, read before prepare added this version's columns, lacks them
-        frame = self.spark.createDataFrame([tuple(row.get(f.name) for f in RUNS_SCHEMA.fields)], RUNS_SCHEMA)
+        frame = self.spark.createDataFrame([row.values()], RUNS_SCHEMA)
         if new:
-            self.tables.add_attempt_row(frame, row["run_id"], row["attempt_id"])
+            self.tables.add_attempt_row(frame, row.run_id, row.attempt_id)
         else:
-            self.tables.write_attempt_row(frame, row["run_id"], row["attempt_id"], fence)
+            self.tables.write_attempt_row(frame, row.run_id, row.attempt_id, fence)
 
-    def begin(self, row: dict[str, Any], known: list[dict[str, Any]] | None = None) -> Attempt:
-        """Tidy up, then record a new attempt of row['run_id'] as running. `row` holds the run's
-        settings; the attempt's own columns (status, publish number, host, pid) are set in it here.
+    def begin(self, row: RunRecord, known: list[RunRecord] | None = None) -> tuple[Attempt, RunRecord]:
+        """Tidy up, then record a new attempt of row.run_id as running. `row` holds the run's settings;
+        the attempt's own columns (status, publish number, host, pid) are set in the row returned.
         `known`: the runs rows as read at the attempt's start, if the caller has them (else read here)."""
         rows = self.tidy(rows=known)
-        run_id = row["run_id"]
-        attempt = Attempt(run_id, row["attempt_id"], committed_publish_seqs(rows)[run_id] + 1)
-        row.update(
+        run_id = row.run_id
+        attempt = Attempt(run_id, row.attempt_id, committed_publish_seqs(rows)[run_id] + 1)
+        row = row.changed(
             status=RUNNING,
             publish_seq=attempt.publish_seq,
             error=None,
@@ -118,16 +120,16 @@ class Ledger:
         )
         self.write(row, new=True)  # attempt ids are unique: no row to replace
         log.info("run %s: attempt %s started (publish number %d)", run_id, attempt.attempt_id, attempt.publish_seq)
-        return attempt
+        return attempt, row
 
-    def publish(self, attempt: Attempt, row: dict[str, Any]) -> list[dict[str, Any]]:
+    def publish(self, attempt: Attempt, row: RunRecord) -> list[RunRecord]:
         """The one commit that makes the attempt what readers see, or AttemptConflict if another
         attempt of the run id took its publish number first. Returns the runs rows read back after it
         (all of them: a plain scan of the small table is already warm where a filtered one is not)."""
-        self.write({**row, "status": SUCCEEDED, "publish_seq": attempt.publish_seq}, fence=attempt.publish_seq)
+        self.write(row.changed(status=SUCCEEDED, publish_seq=attempt.publish_seq), fence=attempt.publish_seq)
         rows = self.rows()
-        landed = next((r for r in rows if (r["run_id"], r["attempt_id"]) == (attempt.run_id, attempt.attempt_id)), None)
-        if landed is None or landed["status"] != SUCCEEDED:
+        landed = next((r for r in rows if (r.run_id, r.attempt_id) == (attempt.run_id, attempt.attempt_id)), None)
+        if landed is None or landed.status != SUCCEEDED:
             winner = published_attempts(rows).get(attempt.run_id)
             raise AttemptConflict(
                 f"attempt {attempt.attempt_id} of run {attempt.run_id!r} was not published: attempt {winner} of the "
@@ -136,7 +138,7 @@ class Ledger:
         log.info("run %s: published attempt %s", attempt.run_id, attempt.attempt_id)
         return rows
 
-    def supersede_others(self, attempt: Attempt, rows: list[dict[str, Any]]) -> None:
+    def supersede_others(self, attempt: Attempt, rows: list[RunRecord]) -> None:
         """After a publish: mark the run id's earlier succeeded attempts superseded, among `rows` (as
         read back by the publish). What readers see is already decided (the highest publish number
         wins); this only keeps the record plain. Only lower numbers: a later attempt may have been
@@ -144,46 +146,43 @@ class Ledger:
         try:
             for other in rows:
                 if (
-                    other["run_id"] == attempt.run_id
-                    and other["status"] == SUCCEEDED
-                    and other["publish_seq"] < attempt.publish_seq
+                    other.run_id == attempt.run_id
+                    and other.status == SUCCEEDED
+                    and other.publish_seq < attempt.publish_seq
                 ):
-                    self.write({**other, "status": SUPERSEDED})
+                    self.write(other.changed(status=SUPERSEDED))
         except Exception as exc:
             log.warning("could not mark the earlier attempts of run %s superseded: %s", attempt.run_id, first_line(exc))
 
-    def fail(self, row: dict[str, Any], error: str) -> None:
+    def fail(self, row: RunRecord, error: str) -> None:
         """Record a failed attempt, after deleting its rows (best effort: the next tidy-up retries).
         An attempt whose publish commit landed before the failure stays published."""
         try:
-            if (self.row_of(row["run_id"], row["attempt_id"]) or {}).get("status") == SUCCEEDED:
-                log.warning("attempt %s failed after it was published: %s", row["attempt_id"], error)
+            if self.status_of(row.run_id, row.attempt_id) == SUCCEEDED:
+                log.warning("attempt %s failed after it was published: %s", row.attempt_id, error)
                 return
         except Exception as exc:
-            log.warning("could not read the record of attempt %s: %s", row["attempt_id"], first_line(exc))
+            log.warning("could not read the record of attempt %s: %s", row.attempt_id, first_line(exc))
         removed = False
         try:
-            self.tables.delete_attempt(row["run_id"], row["attempt_id"])
+            self.tables.delete_attempt(row.run_id, row.attempt_id)
             removed = True
         except Exception as exc:
-            log.warning("could not delete the rows of failed attempt %s: %s", row["attempt_id"], first_line(exc))
+            log.warning("could not delete the rows of failed attempt %s: %s", row.attempt_id, first_line(exc))
         try:
             self.write(
-                {
-                    **row,
-                    "status": FAILED,
-                    "error": error,
-                    "publish_seq": None,
-                    "rows_removed": removed,
-                    "finished_at": datetime.now(timezone.utc),
-                }
+                row.changed(
+                    status=FAILED,
+                    error=error,
+                    publish_seq=None,
+                    rows_removed=removed,
+                    finished_at=datetime.now(timezone.utc),
+                )
             )
         except Exception as exc:
-            log.warning("could not record failed attempt %s: %s", row["attempt_id"], first_line(exc))
+            log.warning("could not record failed attempt %s: %s", row.attempt_id, first_line(exc))
 
-    def tidy(
-        self, abandon_after: timedelta | None = None, rows: list[dict[str, Any]] | None = None
-    ) -> list[dict[str, Any]]:
+    def tidy(self, abandon_after: timedelta | None = None, rows: list[RunRecord] | None = None) -> list[RunRecord]:
         """Mark abandoned and superseded attempts and delete the rows of every finished unpublished one;
         returns the runs rows as they are afterwards. Best effort: a step that fails (another process
         tidying at the same time) is logged and left for the next tidy-up.
@@ -203,88 +202,88 @@ class Ledger:
             except Exception as exc:
                 log.warning(
                     "tidy-up of attempt %s of run %s left for later: %s",
-                    row["attempt_id"],
-                    row["run_id"],
+                    row.attempt_id,
+                    row.run_id,
                     first_line(exc),
                 )
             result.append(row)
         return result
 
-    def _tidy_one(self, row, committed, published, now, abandon_after) -> dict[str, Any]:
-        run_id, changed = row["run_id"], dict(row)
-        if row["status"] == RUNNING:
+    def _tidy_one(self, row: RunRecord, committed, published, now, abandon_after) -> RunRecord:
+        run_id, changed = row.run_id, row
+        if row.status == RUNNING:
             fenced = False
-            if row["publish_seq"] <= committed[run_id]:
+            if row.publish_seq <= committed[run_id]:
                 why = "abandoned: a later attempt of the run id was published, so it could never publish"
-            elif process_gone(row["host"], row["pid"]):
-                why = f"abandoned: its process {row['pid']} on {row['host']} is gone"
-            elif abandon_after is not None and now - _utc(row["started_at"]) > abandon_after:
+            elif process_gone(row.host, row.pid):
+                why = f"abandoned: its process {row.pid} on {row.host} is gone"
+            elif abandon_after is not None and now - _utc(row.started_at) > abandon_after:
                 why = f"abandoned: still running after {abandon_after}"
-                self.write({**row, "status": ABANDONED, "error": why}, fence=row["publish_seq"])
-                if (self.row_of(run_id, row["attempt_id"]) or {}).get("status") != ABANDONED:
+                self.write(row.changed(status=ABANDONED, error=why), fence=row.publish_seq)
+                if self.status_of(run_id, row.attempt_id) != ABANDONED:
                     return row  # it published just now
                 fenced = True
             else:
                 return row
             # Only a fenced abandonment committed the attempt's publish number (committed_publish_seqs).
-            changed.update(
-                status=ABANDONED, error=why, finished_at=now, publish_seq=row["publish_seq"] if fenced else None
+            changed = row.changed(
+                status=ABANDONED, error=why, finished_at=now, publish_seq=row.publish_seq if fenced else None
             )
-            log.info("run %s: attempt %s %s", run_id, row["attempt_id"], why)
-        elif row["status"] == SUCCEEDED and published.get(run_id) != row["attempt_id"]:
-            changed["status"] = SUPERSEDED
-        if changed["status"] in FINISHED_UNPUBLISHED and not row["rows_removed"]:
-            self.tables.delete_attempt(run_id, row["attempt_id"])
-            changed["rows_removed"] = True
+            log.info("run %s: attempt %s %s", run_id, row.attempt_id, why)
+        elif row.status == SUCCEEDED and published.get(run_id) != row.attempt_id:
+            changed = row.changed(status=SUPERSEDED)
+        if changed.status in FINISHED_UNPUBLISHED and not row.rows_removed:
+            self.tables.delete_attempt(run_id, row.attempt_id)
+            changed = changed.changed(rows_removed=True)
         if changed != row:
             self.write(changed)
         return changed
 
 
-def committed_publish_seqs(rows: list[dict[str, Any]]) -> defaultdict[str, int]:
+def committed_publish_seqs(rows: list[RunRecord]) -> defaultdict[str, int]:
     """Per run id, the highest publish number that an attempt committed (0 if none): a running
     attempt's number is only claimed, and failed or unfenced abandoned attempts hold none."""
     committed: defaultdict[str, int] = defaultdict(int)
     for row in rows:
-        if row["status"] != RUNNING and row["publish_seq"] is not None:
-            committed[row["run_id"]] = max(committed[row["run_id"]], row["publish_seq"])
+        if row.status != RUNNING and row.publish_seq is not None:
+            committed[row.run_id] = max(committed[row.run_id], row.publish_seq)
     return committed
 
 
-def published_attempts(rows: list[dict[str, Any]]) -> dict[str, str]:
+def published_attempts(rows: list[RunRecord]) -> dict[str, str]:
     """run id -> its published attempt (the succeeded one with the highest publish number); the same
     rule as tables.PUBLISHED_ATTEMPTS, which readers' views use."""
     best: dict[str, tuple[int, str]] = {}
     for row in rows:
-        if row["status"] == SUCCEEDED:
-            best[row["run_id"]] = max(best.get(row["run_id"], (-1, "")), (row["publish_seq"], row["attempt_id"]))
+        if row.status == SUCCEEDED:
+            best[row.run_id] = max(best.get(row.run_id, (-1, "")), (row.publish_seq, row.attempt_id))
     return {run_id: attempt for run_id, (_, attempt) in best.items()}
 
 
 def reference_attempt(
-    rows: list[dict[str, Any]], run_id: str, started_at: datetime, named: str | None = None
-) -> dict[str, Any] | None:
+    rows: list[RunRecord], run_id: str, started_at: datetime, named: str | None = None
+) -> RunRecord | None:
     """The runs row of the published attempt whose clusters a new attempt of run_id matches (identity):
     the named run id's, or else the newest published run of another run id that finished before
     started_at (None if there is none). A named run id that is not published is a ConfigError."""
     published = published_attempts(rows)
-    chosen = [r for r in rows if published.get(r["run_id"]) == r["attempt_id"]]
+    chosen = [r for r in rows if published.get(r.run_id) == r.attempt_id]
     if named is not None:
-        found = [r for r in chosen if r["run_id"] == named]
+        found = [r for r in chosen if r.run_id == named]
         if not found:
             raise ConfigError(f"identity.reference {named!r} is not a published run of this output location")
         return found[0]
-    earlier = [r for r in chosen if r["run_id"] != run_id and _utc(r["finished_at"]) < started_at]
-    return max(earlier, key=lambda r: (_utc(r["finished_at"]), r["run_id"]), default=None)
+    earlier = [r for r in chosen if r.run_id != run_id and _utc(r.finished_at) < started_at]
+    return max(earlier, key=lambda r: (_utc(r.finished_at), r.run_id), default=None)
 
 
-def highest_cluster_id(rows: list[dict[str, Any]], run_id: str) -> int:
+def highest_cluster_id(rows: list[RunRecord], run_id: str) -> int:
     """The highest cluster id that any attempt of another run id ever published (-1 if none): a row
     of an older version, without highest_cluster_id, used 0..k-1. The run id's own attempts do not
     count, so that a re-run gives its new clusters the same ids again."""
-    ever_published = [r for r in rows if r["status"] in (SUCCEEDED, SUPERSEDED) and r["run_id"] != run_id]
+    ever_published = [r for r in rows if r.status in (SUCCEEDED, SUPERSEDED) and r.run_id != run_id]
     return max(
-        (r["k"] - 1 if r.get("highest_cluster_id") is None else r["highest_cluster_id"] for r in ever_published),
+        (r.k - 1 if r.highest_cluster_id is None else r.highest_cluster_id for r in ever_published),
         default=-1,
     )
 

@@ -626,7 +626,7 @@ def command_maintain(args: argparse.Namespace) -> int:
     rows = Ledger(tables).tidy(after)
     counts: dict[str, int] = {}
     for row in rows:
-        counts[row["status"]] = counts.get(row["status"], 0) + 1
+        counts[row.status] = counts.get(row.status, 0) + 1
     print(
         f"{len(rows)} attempts under {tables.root}: "
         + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))

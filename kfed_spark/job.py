@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib.metadata import version
 
@@ -59,6 +59,7 @@ from kfed_spark.tables import (
     CENTERS_FIELDS,
     K_SWEEP_TYPE,
     TABLES,
+    RunRecord,
     labelled_fields,
     output_schemas,
     stats_columns,
@@ -142,7 +143,7 @@ def run(
         faults.point("created")
     row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
     with timer.stage("claim"):
-        attempt = ledger.begin(row, known)
+        attempt, row = ledger.begin(row, known)
     # The reference run's clusters are read while the local step runs.
     reference_read = None if reference_row is None else in_background(reference_run, tables, reference_row)
     writes: list[Future] = []
@@ -155,7 +156,7 @@ def run(
             )
         else:  # the model's ids
             clustering, matching, reference = apply_model(checked, dim, cfg, parent, timer), None, None
-        row.update(
+        row = row.changed(
             k=len(clustering.server.centers),
             k_sweep=k_sweep_column(clustering.k_sweep),
             identity_mode=None if parent is not None else cfg.identity.mode,
@@ -170,7 +171,7 @@ def run(
         with timer.stage("labels"):
             counted, labelled = write_labels(tables, attempt, cfg, raw.schema, clustering)
         result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
-        row.update(result_columns(result))
+        row = row.changed(**result_columns(result))
         device_type = clustering.local.table.schema.field("device_id").type
         profiles = device_clusters_table(counted.evaluation, device_type)
         local = clustering.local
@@ -194,7 +195,7 @@ def run(
                     write_run_report,
                     tables,
                     attempt,
-                    row,
+                    asdict(row),
                     cfg,
                     clustering,
                     counted.evaluation,
@@ -207,13 +208,13 @@ def run(
                 write.result()
         if cfg.report:
             faults.point("report")
-        row.update(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
+        row = row.changed(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
         faults.point("before_publish")
         with timer.stage("publish"):  # in the RunResult only: the runs row is what it commits
             runs_now = ledger.publish(attempt, row)
     except BaseException as exc:
         wait(writes)  # a commit landing after the failed attempt's rows are deleted would stay
-        ledger.fail({**row, "timings": dict(timer.seconds)}, describe(exc) or f"{type(exc).__name__}: {exc}")
+        ledger.fail(row.changed(timings=dict(timer.seconds)), describe(exc) or f"{type(exc).__name__}: {exc}")
         raise
     faults.point("published")
     with timer.stage("supersede"):
@@ -532,32 +533,33 @@ def run_report(
     }
 
 
-def attempt_row(cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: str | None, started_at: datetime) -> dict:
-    """The attempt's row of the runs table with its settings; result_columns() adds the figures."""
+def attempt_row(
+    cfg: KFedConfig, run_id: str, attempt_id: str, parent_run_id: str | None, started_at: datetime
+) -> RunRecord:
+    """The attempt's row of the runs table with its settings (the ledger sets its status, publish number
+    and process when it begins); result_columns() adds the figures."""
     inp = cfg.input
-    return {
-        "run_id": run_id,
-        "attempt_id": attempt_id,
-        "parent_run_id": parent_run_id,
-        "started_at": started_at,
-        "finished_at": None,
-        "input": inp.table or f"{inp.format}:{inp.path}",
-        "k": 0 if cfg.k == "auto" else cfg.k,  # a k auto run's, once its sweep has chosen
-        "k_range": list(cfg.k_range) if cfg.k == "auto" else None,
-        "k_sweep": None,
-        "k_per_device": str(cfg.k_per_device),
-        "seed": cfg.seed,
-        "seeding": cfg.seeding,
-        "server_refine": cfg.server_refine,
-        "label_mode": cfg.label_mode,
-        "local_restarts": cfg.local_restarts,
-        "robust_min_size": float(cfg.robust_min_size),
-        **{name: None for name in ("identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id")},
-        **{name: None for name in RESULT_COLUMNS},
-        "timings": {},
-        "config": json.dumps(as_dict(cfg), sort_keys=True),
-        "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},
-    }
+    return RunRecord.of(
+        {
+            "run_id": run_id,
+            "attempt_id": attempt_id,
+            "parent_run_id": parent_run_id,
+            "started_at": started_at,
+            "input": inp.table or f"{inp.format}:{inp.path}",
+            "k": 0 if cfg.k == "auto" else cfg.k,  # a k auto run's, once its sweep has chosen
+            "k_range": list(cfg.k_range) if cfg.k == "auto" else None,
+            "k_per_device": str(cfg.k_per_device),
+            "seed": cfg.seed,
+            "seeding": cfg.seeding,
+            "server_refine": cfg.server_refine,
+            "label_mode": cfg.label_mode,
+            "local_restarts": cfg.local_restarts,
+            "robust_min_size": float(cfg.robust_min_size),
+            "timings": {},
+            "config": json.dumps(as_dict(cfg), sort_keys=True),
+            "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},
+        }
+    )
 
 
 RESULT_COLUMNS = (

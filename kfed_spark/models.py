@@ -21,7 +21,7 @@ from kfed_spark.io import OutputTables, absolute, concurrently
 from kfed_spark.k_sweep import KSweep
 from kfed_spark.kernels import LabelModel
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.tables import LATEST_ATTEMPT, LOCAL_CENTER_COLUMNS, PUBLISHED_ATTEMPTS
+from kfed_spark.tables import LATEST_ATTEMPT, LOCAL_CENTER_COLUMNS, PUBLISHED_ATTEMPTS, RunRecord
 
 SAVED_LOCAL_CENTERS = "data/local_centers"
 """Where under a saved KFedModel's folder its local centers are (Parquet); the rest is its metadata."""
@@ -167,13 +167,13 @@ def saved_cluster_ids(metadata: dict, k: int) -> np.ndarray:
     return np.asarray(metadata.get("clusterIds", range(k)), dtype=np.int64)
 
 
-def reference_run(tables: OutputTables, row: dict) -> ReferenceRun:
+def reference_run(tables: OutputTables, row: RunRecord) -> ReferenceRun:
     """The clusters of a published attempt (its runs row), for identity matching."""
-    model = attempt_model(tables, row["run_id"], row["attempt_id"])
+    model = attempt_model(tables, row.run_id, row.attempt_id)
     local = model.local
     share = largest_share(
         local.column("device_id").to_numpy(zero_copy_only=False),
         model.cluster_ids[model.assignment],
         local.column("n_points").to_numpy(),
     )
-    return ReferenceRun(row["run_id"], row["attempt_id"], model.clusters(), share)
+    return ReferenceRun(row.run_id, row.attempt_id, model.clusters(), share)

@@ -10,9 +10,14 @@ tables hold final rows only and are not partitioned.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields, replace
+from datetime import datetime
+from typing import Any, get_args, get_type_hints
+
 from pyspark.sql.types import (
     ArrayType,
     BooleanType,
+    DataType,
     DoubleType,
     IntegerType,
     LongType,
@@ -261,50 +266,82 @@ K_SWEEP_TYPE = StructType(
 )
 """One k of a k auto run's sweep (kfed_spark.k_sweep.KFigures without its seconds)."""
 
+
+def _column(spark_type: DataType) -> Any:
+    return field(metadata={"spark_type": spark_type})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    """One attempt's row of the runs table (kfed_spark.attempts writes them). RUNS_SCHEMA is made from
+    these fields, in this order: a field's Spark type is its column's, and `| None` makes it nullable."""
+
+    run_id: str = _column(StringType())
+    attempt_id: str = _column(StringType())
+    status: str = _column(StringType())
+    """running, succeeded, superseded, failed or abandoned (kfed_spark.attempts)"""
+    error: str | None = _column(StringType())
+    publish_seq: int | None = _column(LongType())
+    rows_removed: bool = _column(BooleanType())
+    host: str = _column(StringType())
+    pid: int = _column(LongType())
+    parent_run_id: str | None = _column(StringType())
+    started_at: datetime = _column(TimestampType())
+    finished_at: datetime | None = _column(TimestampType())
+    input: str = _column(StringType())
+    k: int = _column(IntegerType())
+    k_per_device: str = _column(StringType())
+    seed: int = _column(LongType())
+    seeding: str = _column(StringType())
+    server_refine: str = _column(StringType())
+    label_mode: str = _column(StringType())
+    dim: int | None = _column(IntegerType())
+    n_input: int | None = _column(LongType())
+    n_labelled: int | None = _column(LongType())
+    n_quarantined: int | None = _column(LongType())
+    n_devices: int | None = _column(LongType())
+    n_local_centers: int | None = _column(LongType())
+    cost: float | None = _column(DoubleType())
+    ari: float | None = _column(DoubleType())
+    truth_cost: float | None = _column(DoubleType())
+    timings: dict[str, float] = _column(MapType(StringType(), DoubleType()))
+    config: str = _column(StringType())
+    versions: dict[str, str] = _column(MapType(StringType(), StringType()))
+    # Added after the first release: null in the rows of older versions (io.OutputTables.prepare adds them).
+    local_restarts: int | None = _column(IntegerType())
+    robust_min_size: float | None = _column(DoubleType())
+    identity_mode: str | None = _column(StringType())
+    reference_run_id: str | None = _column(StringType())
+    reference_attempt_id: str | None = _column(StringType())
+    highest_cluster_id: int | None = _column(IntegerType())
+    k_range: list[int] | None = _column(ArrayType(IntegerType(), False))
+    k_sweep: list[tuple] | None = _column(ArrayType(K_SWEEP_TYPE, False))
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> RunRecord:
+        """The record of a runs row, None where the row has no value: the columns a new attempt fills
+        later, or those an older version's row lacks when read before prepare added them."""
+        return cls(**{f.name: row.get(f.name) for f in fields(cls)})
+
+    def values(self) -> tuple:
+        """The row's values in RUNS_SCHEMA's order."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def changed(self, **changes: Any) -> RunRecord:
+        return replace(self, **changes)
+
+
+def _nullable(hint: Any) -> bool:
+    return type(None) in get_args(hint)
+
+
 RUNS_SCHEMA = StructType(
     [
-        StructField("run_id", StringType(), False),
-        StructField("attempt_id", StringType(), False),
-        StructField("status", StringType(), False),
-        StructField("error", StringType(), True),
-        StructField("publish_seq", LongType(), True),
-        StructField("rows_removed", BooleanType(), False),
-        StructField("host", StringType(), False),
-        StructField("pid", LongType(), False),
-        StructField("parent_run_id", StringType(), True),
-        StructField("started_at", TimestampType(), False),
-        StructField("finished_at", TimestampType(), True),
-        StructField("input", StringType(), False),
-        StructField("k", IntegerType(), False),
-        StructField("k_per_device", StringType(), False),
-        StructField("seed", LongType(), False),
-        StructField("seeding", StringType(), False),
-        StructField("server_refine", StringType(), False),
-        StructField("label_mode", StringType(), False),
-        StructField("dim", IntegerType(), True),
-        StructField("n_input", LongType(), True),
-        StructField("n_labelled", LongType(), True),
-        StructField("n_quarantined", LongType(), True),
-        StructField("n_devices", LongType(), True),
-        StructField("n_local_centers", LongType(), True),
-        StructField("cost", DoubleType(), True),
-        StructField("ari", DoubleType(), True),
-        StructField("truth_cost", DoubleType(), True),
-        StructField("timings", MapType(StringType(), DoubleType()), False),
-        StructField("config", StringType(), False),
-        StructField("versions", MapType(StringType(), StringType()), False),
-        # Added after the first release: null in the rows of older versions (io.OutputTables.prepare adds them).
-        StructField("local_restarts", IntegerType(), True),
-        StructField("robust_min_size", DoubleType(), True),
-        StructField("identity_mode", StringType(), True),
-        StructField("reference_run_id", StringType(), True),
-        StructField("reference_attempt_id", StringType(), True),
-        StructField("highest_cluster_id", IntegerType(), True),
-        StructField("k_range", ArrayType(IntegerType(), False), True),
-        StructField("k_sweep", ArrayType(K_SWEEP_TYPE, False), True),
+        StructField(f.name, f.metadata["spark_type"], _nullable(hint))
+        for f, hint in zip(fields(RunRecord), get_type_hints(RunRecord).values(), strict=True)
     ]
 )
-"""The runs table: one row per attempt (kfed_spark.attempts writes them)."""
+"""The runs table: one row per attempt, the fields of RunRecord."""
 
 
 BATCH_FIELDS = [

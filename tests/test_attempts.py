@@ -8,12 +8,13 @@ import sys
 import pytest
 
 from kfed_spark.attempts import committed_publish_seqs, process_gone, published_attempts
+from kfed_spark.tables import RunRecord
 
 pytestmark = pytest.mark.fast
 
 
 def attempt(run_id, attempt_id, status, publish_seq):
-    return {"run_id": run_id, "attempt_id": attempt_id, "status": status, "publish_seq": publish_seq}
+    return RunRecord.of({"run_id": run_id, "attempt_id": attempt_id, "status": status, "publish_seq": publish_seq})
 
 
 ROWS = [

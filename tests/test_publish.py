@@ -22,7 +22,7 @@ from kfed_spark.config import OutputConfig
 from kfed_spark.errors import KFedError
 from kfed_spark.faults import FAULT_ENV
 from kfed_spark.io import OutputTables
-from kfed_spark.tables import DATA_TABLES
+from kfed_spark.tables import DATA_TABLES, RunRecord
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
@@ -96,7 +96,7 @@ def assert_whole(seen, attempt, k, latest=True):
 
 
 def published_attempt(spark, out, run_id="first"):
-    return published_attempts([r.asDict() for r in runs_of(spark, out)]).get(run_id)
+    return published_attempts([RunRecord.of(r.asDict()) for r in runs_of(spark, out)]).get(run_id)
 
 
 def raw_attempts(spark, out, name="labels"):

@@ -11,7 +11,7 @@ from deltalake import write_deltalake
 
 from helpers import DUCKDB_PUBLISHED_LABELS, ROOT
 from kfed_spark.attempts import published_attempts
-from kfed_spark.tables import PUBLISHED_ATTEMPTS
+from kfed_spark.tables import PUBLISHED_ATTEMPTS, RunRecord
 
 pytestmark = pytest.mark.fast
 
@@ -49,7 +49,7 @@ def test_the_rule_in_sql_picks_the_succeeded_attempt_with_the_highest_publish_nu
 
 
 def test_the_job_s_bookkeeping_applies_the_same_rule():
-    assert published_attempts(runs_table().to_pylist()) == PUBLISHED
+    assert published_attempts([RunRecord.of(row) for row in runs_table().to_pylist()]) == PUBLISHED
 
 
 def test_the_readme_s_duckdb_view_shows_the_published_attempts_only():

@@ -14,6 +14,7 @@ from kfed_spark.tables import (
     RUNS_SCHEMA,
     STREAM_TABLES,
     TABLES,
+    RunRecord,
     column_comment,
     output_schemas,
     partition_columns,
@@ -54,3 +55,11 @@ def test_the_labels_added_columns_and_the_runs_k_sweep_are_what_the_code_fills()
     assert set(ADDED_COLUMNS) == set(output_schemas(INPUT, "user")["labels"].names) - set(INPUT.names)
     assert set(K_SWEEP_TYPE.names) <= {field.name for field in fields(KFigures)}
     assert RUNS_SCHEMA.names[:2] == list(PARTITION_COLUMNS)
+
+
+def test_the_runs_schema_is_the_run_record_s_fields_nullable_where_they_may_be_none():
+    assert RUNS_SCHEMA.names == [f.name for f in fields(RunRecord)]
+    assert not RUNS_SCHEMA["run_id"].nullable and RUNS_SCHEMA["error"].nullable and RUNS_SCHEMA["k_sweep"].nullable
+    record = RunRecord.of({"run_id": "day1", "attempt_id": "a", "status": "running"})  # a row of an older version
+    assert record.values()[:3] == ("day1", "a", "running") and record.k_sweep is None
+    assert record.changed(status="failed").status == "failed" and record.status == "running"
