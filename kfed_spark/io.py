@@ -161,8 +161,9 @@ def attempt_filter(run_id: str, attempt_id: str) -> str:
     return f"run_id = '{run_id}' AND attempt_id = '{attempt_id}'"
 
 
-class OutputTables:
-    """The Delta tables of one output location."""
+class TableStore:
+    """The tables of one output location by path: reading them, and the locked, one-commit writes
+    every other part of OutputTables makes."""
 
     def __init__(self, spark: SparkSession, output: OutputConfig, locations: dict[str, str] | None = None):
         self.spark = spark
@@ -189,16 +190,66 @@ class OutputTables:
             return False
         return True
 
-    def published(self, name: str) -> DataFrame:
-        """The rows of a table that belong to published attempts (what readers see)."""
-        return self.spark.sql(self.published_query(self.source(name), self.source("runs")))
+    @contextmanager
+    def writing(self, name: str) -> Iterator[None]:
+        """Hold the table's write lock while writing it, when the output is on a local disk.
 
-    @staticmethod
-    def published_query(table: str, runs: str, latest: bool = False) -> str:
-        attempts = (LATEST_ATTEMPT if latest else PUBLISHED_ATTEMPTS).format(runs=runs)
-        return f"SELECT * FROM {table} WHERE (run_id, attempt_id) IN ({attempts})"
+        Delta needs its log store to let only one writer create each commit file. On object stores
+        and HDFS the log store does; on a local disk it renames a temporary file into place, and
+        that rename overwrites, so two processes committing the same version at once both
+        "succeed" and one commit is lost. An exclusive OS lock per table makes the writes of
+        this machine's processes to that table take turns; Delta's conflict checks do the rest.
+        """
+        if URI_PATTERN.match(self.root) and not self.root.startswith("file:"):
+            yield
+            return
+        folder = os.path.join(self.root.removeprefix("file:"), WRITE_LOCKS)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or the process dies
+            yield
 
-    # -- checks made before any work --------------------------------------------------------------
+    def _create(self, name: str, schema: StructType, stats_columns: list[str] | None = None) -> None:
+        """Create a table, empty, with its comments and partitioning (partition_columns), in one commit
+        (CREATE TABLE AS SELECT from an empty view carries the column types and the comments); columns
+        as stored_field holds them."""
+        view = f"kfed_create_{name}_{uuid.uuid4().hex[:8]}"
+        properties = (
+            ""
+            if stats_columns is None
+            else (
+                f"TBLPROPERTIES ('{STATS_COLUMNS_PROPERTY}' = "
+                f"{sql_string(','.join('`' + c.replace('`', '``') + '`' for c in stats_columns))}) "
+            )
+        )
+        commented = StructType([stored_field(name, f) for f in schema.fields])
+        self.spark.createDataFrame([], commented).createOrReplaceTempView(view)
+        try:
+            with self.writing(name):
+                partitioned = (
+                    f"PARTITIONED BY ({', '.join(partition_columns(name))}) " if partition_columns(name) else ""
+                )
+                self.spark.sql(
+                    f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta {partitioned}"
+                    f"COMMENT {sql_string(TABLE_COMMENTS[name])} {properties}AS SELECT * FROM {view}"
+                )
+        finally:
+            self.spark.catalog.dropTempView(view)
+
+    def _write(self, df: DataFrame, name: str, mode: str, note: str, **options: str) -> None:
+        writer = stored_columns(df).write.format("delta").mode(mode).option("userMetadata", note)
+        if partition_columns(name):
+            writer = writer.partitionBy(*partition_columns(name))
+        with self.writing(name):
+            writer.options(**options).save(self.path(name))
+
+    def report_dir(self, run_id: str, attempt_id: str) -> str:
+        return f"{self.root}/{REPORTS}/{run_id}/{attempt_id}"
+
+
+class LocationChecks(TableStore):
+    """The checks made before any work (intact logs, the same schemas, a writable folder), and
+    preparing the location: adding the columns an older version lacks, creating missing tables."""
 
     def check_writable(self) -> None:
         """The output location is a folder this process can create files in (a probe file is made
@@ -327,60 +378,10 @@ class OutputTables:
 
         concurrently(create, [name for name, fields in checked.items() if fields is None])
 
-    # -- writes -----------------------------------------------------------------------------------
 
-    @contextmanager
-    def writing(self, name: str) -> Iterator[None]:
-        """Hold the table's write lock while writing it, when the output is on a local disk.
-
-        Delta needs its log store to let only one writer create each commit file. On object stores
-        and HDFS the log store does; on a local disk it renames a temporary file into place, and
-        that rename overwrites, so two processes committing the same version at once both
-        "succeed" and one commit is lost. An exclusive OS lock per table makes the writes of
-        this machine's processes to that table take turns; Delta's conflict checks do the rest.
-        """
-        if URI_PATTERN.match(self.root) and not self.root.startswith("file:"):
-            yield
-            return
-        folder = os.path.join(self.root.removeprefix("file:"), WRITE_LOCKS)
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"{name}.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or the process dies
-            yield
-
-    def _create(self, name: str, schema: StructType, stats_columns: list[str] | None = None) -> None:
-        """Create a table, empty, with its comments and partitioning (partition_columns), in one commit
-        (CREATE TABLE AS SELECT from an empty view carries the column types and the comments); columns
-        as stored_field holds them."""
-        view = f"kfed_create_{name}_{uuid.uuid4().hex[:8]}"
-        properties = (
-            ""
-            if stats_columns is None
-            else (
-                f"TBLPROPERTIES ('{STATS_COLUMNS_PROPERTY}' = "
-                f"{sql_string(','.join('`' + c.replace('`', '``') + '`' for c in stats_columns))}) "
-            )
-        )
-        commented = StructType([stored_field(name, f) for f in schema.fields])
-        self.spark.createDataFrame([], commented).createOrReplaceTempView(view)
-        try:
-            with self.writing(name):
-                partitioned = (
-                    f"PARTITIONED BY ({', '.join(partition_columns(name))}) " if partition_columns(name) else ""
-                )
-                self.spark.sql(
-                    f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta {partitioned}"
-                    f"COMMENT {sql_string(TABLE_COMMENTS[name])} {properties}AS SELECT * FROM {view}"
-                )
-        finally:
-            self.spark.catalog.dropTempView(view)
-
-    def _write(self, df: DataFrame, name: str, mode: str, note: str, **options: str) -> None:
-        writer = stored_columns(df).write.format("delta").mode(mode).option("userMetadata", note)
-        if partition_columns(name):
-            writer = writer.partitionBy(*partition_columns(name))
-        with self.writing(name):
-            writer.options(**options).save(self.path(name))
+class AttemptWrites(TableStore):
+    """An attempt's rows: appended to the data tables, its runs row written (fenced to publish), its
+    rows deleted; a stream's micro-batches, appended exactly once."""
 
     def append(self, frames: dict[str, DataFrame], run_id: str, attempt_id: str) -> None:
         """Append an attempt's rows to several tables, each one commit, the commits made concurrently.
@@ -442,10 +443,9 @@ class OutputTables:
             if filesystem.get_file_info(folder).type == pafs.FileType.Directory:
                 filesystem.delete_dir(folder)
 
-    # -- reports ----------------------------------------------------------------------------------
 
-    def report_dir(self, run_id: str, attempt_id: str) -> str:
-        return f"{self.root}/{REPORTS}/{run_id}/{attempt_id}"
+class RunReports(TableStore):
+    """The report files of an attempt, beside the tables under <root>/reports."""
 
     def write_report(self, run_id: str, attempt_id: str, files: dict[str, bytes]) -> None:
         """The attempt's report files under <root>/reports/<run_id>/<attempt_id>/ (any filesystem pyarrow knows)."""
@@ -480,7 +480,18 @@ class OutputTables:
         except FileNotFoundError:
             raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}") from None
 
-    # -- readers' views ---------------------------------------------------------------------------
+
+class PublishedViews(TableStore):
+    """What readers see: the published attempts' rows, as DataFrames and as SQL views."""
+
+    def published(self, name: str) -> DataFrame:
+        """The rows of a table that belong to published attempts (what readers see)."""
+        return self.spark.sql(self.published_query(self.source(name), self.source("runs")))
+
+    @staticmethod
+    def published_query(table: str, runs: str, latest: bool = False) -> str:
+        attempts = (LATEST_ATTEMPT if latest else PUBLISHED_ATTEMPTS).format(runs=runs)
+        return f"SELECT * FROM {table} WHERE (run_id, attempt_id) IN ({attempts})"
 
     def _views(self, names: list[str], runs: str, table_of) -> dict[str, str]:
         """View name -> query: every data table's published rows under its own name, and latest_<table>
@@ -511,6 +522,11 @@ class OutputTables:
         for view, query in views.items():
             self.spark.sql(f"CREATE OR REPLACE TEMPORARY VIEW {view} AS {query}")
         return list(views)
+
+
+class OutputTables(LocationChecks, AttemptWrites, RunReports, PublishedViews):
+    """The Delta tables of one output location: every read and write of the job's tables, each role a
+    class of its own above."""
 
 
 def concurrently(work: Callable[[str], T], names: list[str]) -> dict[str, T]:
