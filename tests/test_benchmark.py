@@ -13,7 +13,7 @@ from kfed_spark.bench.synthetic import write_mixture
 def test_benchmark_reports_every_method_with_costs_and_ratios(spark, tmp_path):
     data = tmp_path / "input"
     write_mixture(data, k=6, k_per_device=2, devices=30, points_per_device=40, dim=3, seed=2)
-    report = benchmark(spark, str(data), tmp_path / "bench", k=6, k_per_device=2, seed=2, command="test", repeats=2)
+    report = benchmark(spark, str(data), tmp_path / "bench", k=6, k_per_device=2, seed=2, command="test", repeats=1)
 
     names = [e.name for e in report.entries]
     assert names == [

@@ -17,7 +17,6 @@ from helpers import (
     run_cli,
     run_cli_process,
     runs_of,
-    spark_submit_job,
     spread,
     write_empty_config,
 )
@@ -275,17 +274,6 @@ def test_bad_config_exits_non_zero_with_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"kfed-spark: error: cannot read config file {tmp_path / 'nope.yaml'}: No such file or directory"
     ]
-
-
-@pytest.mark.integration  # spark-submit
-def test_spark_submit_job_matches_the_cli(spark, config, tmp_path):
-    """jobs/kfed_job.py under spark-submit writes the same labels as `kfed-spark run`."""
-    assert run_cli(config) == 0
-    result = spark_submit_job(config, tmp_path / "submitted")
-    assert result.returncode == 0, result.stderr[-3000:]
-    expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
-    got = labels_of(spark, tmp_path / "submitted", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
-    assert got == expected
 
 
 @pytest.mark.spark

@@ -89,8 +89,9 @@ def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_
 
 
 @pytest.mark.integration  # spark-submit
-def test_a_retried_local_step_gives_the_same_labels(spark, config, tmp_path):
-    """Every local-step task fails once; Spark retries it (local[2,4]); labels equal an undisturbed run."""
+def test_spark_submit_job_with_retried_local_tasks_writes_the_cli_s_labels(spark, config, tmp_path):
+    """jobs/kfed_job.py under spark-submit, every local-step task failing once and retried by Spark
+    (local[2,4]), writes the labels and local clusters that `kfed-spark run` writes undisturbed."""
     assert run_cli(config) == 0
     result = spark_submit_job(config, tmp_path / "retried", "local[2,4]", {FAULT_ENV: "fail_first_attempt"})
     assert result.returncode == 0, result.stderr[-3000:]
