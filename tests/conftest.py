@@ -1,6 +1,7 @@
 """One local SparkSession with Delta for the whole test run, built by the product's own builder."""
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ TIERS = ("fast", "spark", "integration")
 loop's tier: `-m fast`), spark (the one Spark session of this process: with fast, `-m "not integration"`)
 or integration (processes of their own: spark-submit, servers, the CLI)."""
 
-JVM_FIXTURES = {"spark", "config", "published_run", "standalone_master", "connect_url"}
+JVM_FIXTURES = {"spark", "config", "published_run", "config_after_first_run", "standalone_master", "connect_url"}
 """Fixtures that start Spark, or a run that starts it."""
 
 
@@ -122,6 +123,16 @@ def published_run(spark, tmp_path_factory, mixture_path):
     config = write_config(tmp_path_factory.mktemp("published"), mixture_path)
     assert run_cli(config) == 0
     return config, config.parent / "out"
+
+
+@pytest.fixture()
+def config_after_first_run(tmp_path, mixture_path, published_run):
+    """The config fixture's run config, its output (tmp_path/out) already holding a published run 'first':
+    a copy of published_run's location (Delta tables name their files relative to the table), for the tests
+    that write after a first run without paying for one of their own."""
+    config = write_config(tmp_path, mixture_path)
+    shutil.copytree(published_run[1], tmp_path / "out")
+    return config
 
 
 @dataclass(frozen=True)

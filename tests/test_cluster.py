@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MIXTURE, ROOT, bare_environment, labels_of, run_cli
+from helpers import MIXTURE, ROOT, bare_environment, labels_of
 from kfed_spark.session import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
@@ -27,12 +27,13 @@ def readme_cluster_commands() -> list[str]:
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
-def test_readme_cluster_commands_label_as_local_mode_does(spark, config, tmp_path, standalone_master, mixture_path):
+def test_readme_cluster_commands_label_as_local_mode_does(
+    spark, published_run, tmp_path, standalone_master, mixture_path
+):
     package, submit = readme_cluster_commands()
     assert package.startswith("kfed-spark package") and submit.startswith("spark-submit --master spark://HOST:7077")
     assert f"--packages {delta_package()}" in submit  # the README names the jar matching the installed versions
 
-    assert run_cli(config) == 0  # the local-mode run to compare with
     applications_before = len(standalone_master.applications())
     work = tmp_path / "clone"  # the commands' relative paths, as in a clone
     work.mkdir()
@@ -59,6 +60,7 @@ def test_readme_cluster_commands_label_as_local_mode_does(spark, config, tmp_pat
         result = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, f"{command}\n{result.stderr[-4000:]}"
     assert len(standalone_master.applications()) == applications_before + 1  # it ran on the workers
-    expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
+    local_mode = labels_of(spark, published_run[1], "first")  # the same run in local mode
+    expected = local_mode.select("row_id", "cluster_id").orderBy("row_id").collect()
     got = labels_of(spark, tmp_path / "cluster", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
     assert got == expected

@@ -22,7 +22,6 @@ from helpers import (
     labels_of,
     mixture_estimator,
     report_folder,
-    run_cli,
     run_cli_process,
     servers,
     spark_home,
@@ -70,8 +69,8 @@ def cli(*args: str, remote: str | None = None, cwd: Path) -> subprocess.Complete
     return run_cli_process(*args, env=env, cwd=cwd)
 
 
-def test_cli_over_connect_writes_what_a_classic_session_writes(spark, config, tmp_path, connect_url):
-    assert run_cli(config) == 0
+def test_cli_over_connect_writes_what_a_classic_session_writes(spark, published_run, tmp_path, connect_url):
+    config, classic = published_run
     out = tmp_path / "connect"
     # spark.remote in the config; the config's own master and Spark settings do not get in the way.
     result = cli(
@@ -89,7 +88,7 @@ def test_cli_over_connect_writes_what_a_classic_session_writes(spark, config, tm
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout)["n_labelled"] == MIXTURE["devices"] * MIXTURE["points_per_device"]
-    expected = labels_of(spark, tmp_path / "out", "first").select("row_id", "cluster_id").orderBy("row_id").collect()
+    expected = labels_of(spark, classic, "first").select("row_id", "cluster_id").orderBy("row_id").collect()
     assert labels_of(spark, out, "first").select("row_id", "cluster_id").orderBy("row_id").collect() == expected
     assert (report_folder(out, "first") / "report.html").is_file()
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MIXTURE, bare_environment, clean_environment, cli_process, published, run_cli_process
+from helpers import MIXTURE, N_ROWS, bare_environment, clean_environment, cli_process, published, run_cli_process
 from kfed_spark.cli import main
 from kfed_spark.session import delta_package
 
@@ -15,11 +15,24 @@ pytestmark = pytest.mark.integration  # processes of their own: spark-submit, se
 
 def test_the_cli_started_by_its_absolute_path_needs_no_activated_environment(spark, config, tmp_path):
     """cron, systemd or a BashOperator start /path/to/env/bin/kfed-spark with a PATH whose python3 has
-    no numpy: local-mode workers must run the CLI's own interpreter, not `python3` from PATH."""
+    no numpy: local-mode workers must run the CLI's own interpreter, not `python3` from PATH.
+
+    Its Spark event log also shows the passes over the input of a run with truth and report: the
+    dimension sample (the first 10,000 rows: here all 6,000), the local step and the labelling pass
+    read every row; counting, evaluation and the report's sample add no pass of their own."""
     env = bare_environment(tmp_path / "bare")  # asserts that its python3 has no numpy
-    result = run_cli_process("run", "--config", str(config), env=env, cwd=tmp_path)
+    events = tmp_path / "events"
+    events.mkdir()
+    event_log = {"enabled": "true", "compress": "false", "dir": events.as_uri()}
+    settings = [
+        arg for key, value in event_log.items() for arg in ("--set", f"spark.conf.spark.eventLog.{key}={value}")
+    ]
+    result = run_cli_process("run", "--config", str(config), "--set", "report=true", *settings, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert published(spark, tmp_path / "out", "labels").count() == MIXTURE["devices"] * MIXTURE["points_per_device"]
+    assert published(spark, tmp_path / "out", "labels").count() == N_ROWS
+    read_by_stage = records_read_by_stage(events)
+    assert sum(read >= N_ROWS for read in read_by_stage.values()) == 3, read_by_stage
+    assert sum(read_by_stage.values()) < 4 * N_ROWS  # the rest: one Arrow batch for the device check, Delta logs
     # Delta's jars, resolved once (by the test session), are named directly: no Ivy report on every start.
     assert ":: retrieving ::" not in result.stderr and "Ivy Default Cache" not in result.stderr
 
@@ -30,6 +43,18 @@ def test_the_cli_started_by_its_absolute_path_needs_no_activated_environment(spa
     lines = [line for line in failed.stderr.splitlines() if line.strip()]
     assert failed.returncode == 2 and lines[-1].startswith("kfed-spark: error: input has no truth column 'nope'")
     assert not [line for line in lines if " INFO kfed_spark" in line]
+
+
+def records_read_by_stage(events: Path) -> dict[int, int]:
+    """Input records read per stage, from the Spark event logs under `events`."""
+    read_by_stage = {}
+    for log in events.rglob("events_*"):  # Spark 4 writes rolling logs, in a folder per application
+        for line in log.read_text().splitlines():
+            event = json.loads(line)
+            if event["Event"] == "SparkListenerTaskEnd":
+                read = (event.get("Task Metrics") or {}).get("Input Metrics", {}).get("Records Read", 0)
+                read_by_stage[event["Stage ID"]] = read_by_stage.get(event["Stage ID"], 0) + read
+    return read_by_stage
 
 
 def test_run_prints_its_figures_as_json(spark, config, capsys):

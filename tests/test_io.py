@@ -41,9 +41,8 @@ def test_an_output_path_that_is_a_file_or_cannot_be_written_is_refused_before_an
     assert refused(capsys).startswith("kfed-spark: error: cannot write under output.path /proc/kfed-output: ")
 
 
-def test_a_damaged_table_is_refused_before_anything_is_written(spark, config, tmp_path, capsys):
-    out = tmp_path / "out"
-    assert run_cli(config) == 0
+def test_a_damaged_table_is_refused_before_anything_is_written(spark, config_after_first_run, tmp_path, capsys):
+    config, out = config_after_first_run, tmp_path / "out"
     (out / "labels" / "_delta_log" / "00000000000000000000.json").unlink()  # its .crc stays
     logs = {path: path.stat().st_mtime for path in out.glob("*/_delta_log/*.json")}
     assert run_cli(config, "run_id=second") == 2
@@ -84,10 +83,11 @@ def test_catalog_table_in_and_registered_tables_out(spark, config, tmp_path, mix
     assert spark.table("kfed_test.centers").count() == MIXTURE["k"]
 
 
-def test_an_output_location_of_the_previous_version_gains_the_new_table_and_columns(spark, config, tmp_path):
+def test_an_output_location_of_the_previous_version_gains_the_new_table_and_columns(
+    spark, config_after_first_run, tmp_path
+):
     """Written before device_clusters existed and before runs had local_restarts and robust_min_size."""
-    out = tmp_path / "out"
-    assert run_cli(config) == 0
+    config, out = config_after_first_run, tmp_path / "out"
     runs_path = str(out / "runs")
     older = spark.read.format("delta").load(runs_path).drop("local_restarts", "robust_min_size")
     older.write.format("delta").mode("overwrite").option("overwriteSchema", "true").partitionBy(

@@ -163,9 +163,8 @@ def test_shifted_or_scaled_features_give_the_same_labels_and_relative_cost(spark
 
 
 @pytest.mark.spark
-def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config, tmp_path):
-    out = tmp_path / "out"
-    assert run_cli(config) == 0
+def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config_after_first_run, tmp_path):
+    config, out = config_after_first_run, tmp_path / "out"
     first = labels_of(spark, out, "first").select("row_id", "cluster_id").orderBy("row_id").collect()
     assert run_cli(config) == 0
     assert run_cli(config, "run_id=second", "label_mode=nearest") == 0
@@ -293,35 +292,3 @@ def test_the_readme_demo_clusters_the_mixture_and_leaves_tables_and_a_report(spa
     assert (report_folder(tmp_path / "demo" / "output", "demo") / "report.html").exists()
     assert main(["report", "demo", "--output", str(tmp_path / "demo" / "output")]) == 0
     assert "40000 in, 40000 labelled, 0 quarantined" in capsys.readouterr().out
-
-
-@pytest.mark.integration  # a CLI process of its own, for its event log
-def test_a_run_with_truth_and_report_reads_its_input_in_three_stages(config, tmp_path):
-    """The dimension sample (the first 10,000 rows: here all 6,000), the local step and the labelling
-    pass read every row; counting, evaluation and the report's sample add no pass of their own."""
-    events = tmp_path / "events"
-    events.mkdir()
-    result = run_cli_process(
-        "run",
-        "--config",
-        str(config),
-        "--set",
-        "report=true",
-        "--set",
-        "spark.conf.spark.eventLog.enabled=true",
-        "--set",
-        "spark.conf.spark.eventLog.compress=false",
-        "--set",
-        f"spark.conf.spark.eventLog.dir={events.as_uri()}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    read_by_stage = {}
-    for log in events.rglob("events_*"):  # Spark 4 writes rolling logs, in a folder per application
-        for line in log.read_text().splitlines():
-            event = json.loads(line)
-            if event["Event"] == "SparkListenerTaskEnd":
-                read = (event.get("Task Metrics") or {}).get("Input Metrics", {}).get("Records Read", 0)
-                read_by_stage[event["Stage ID"]] = read_by_stage.get(event["Stage ID"], 0) + read
-    rows = MIXTURE["devices"] * MIXTURE["points_per_device"]
-    assert sum(read >= rows for read in read_by_stage.values()) == 3, read_by_stage
-    assert sum(read_by_stage.values()) < 4 * rows  # the rest: one Arrow batch for the device check, Delta logs

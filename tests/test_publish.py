@@ -107,12 +107,10 @@ def raw_attempts(spark, out, name="labels"):
 
 @pytest.mark.parametrize("rerun", [False, True], ids=["first_run", "rerun"])
 @pytest.mark.parametrize("point", POINTS)
-def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, config, tmp_path, point, rerun):
+def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(request, spark, tmp_path, point, rerun):
+    config = request.getfixturevalue("config_after_first_run" if rerun else "config")
     out = tmp_path / "out"
-    old = None
-    if rerun:
-        assert main(["run", "--config", str(config)]) == 0
-        old = published_attempt(spark, out)
+    old = published_attempt(spark, out) if rerun else None
     code, _, err = finish(start(config, "k=6", fault=f"kill:{point}"))
     assert code == -signal.SIGKILL, err[-2000:]
 
@@ -149,9 +147,10 @@ def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, conf
     )
 
 
-def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see(spark, config, tmp_path):
-    out = tmp_path / "out"
-    assert main(["run", "--config", str(config)]) == 0
+def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see(
+    spark, config_after_first_run, tmp_path
+):
+    config, out = config_after_first_run, tmp_path / "out"
     old = published_attempt(spark, out)
     process = start(config, "k=6", "report=false")
     lines = []
@@ -173,9 +172,8 @@ def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_reade
     assert_whole(what_readers_see(spark, out), published_attempt(spark, out), 5)
 
 
-def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, config, tmp_path):
-    out = tmp_path / "out"
-    assert main(["run", "--config", str(config)]) == 0
+def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, config_after_first_run, tmp_path):
+    config, out = config_after_first_run, tmp_path / "out"
     old = published_attempt(spark, out)
     process = start(config, "k=6", fault="stall")  # every local-step task hangs
     deadline = time.monotonic() + 120
@@ -195,11 +193,9 @@ def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, 
     assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
 
 
-@pytest.mark.parametrize("round_", range(2))
-def test_two_attempts_of_one_run_id_at_once_publish_exactly_one(spark, config, tmp_path, round_):
+def test_two_attempts_of_one_run_id_at_once_publish_exactly_one(spark, config_after_first_run, tmp_path):
     """Both attempts do all their work, wait at the publish, and publish at the same moment."""
-    out = tmp_path / "out"
-    assert main(["run", "--config", str(config)]) == 0
+    config, out = config_after_first_run, tmp_path / "out"
     old = published_attempt(spark, out)
     gate = tmp_path / "gate"
     processes = [start(config, f"k={k}", fault=f"wait:before_publish:{gate}") for k in (6, 5)]

@@ -68,9 +68,10 @@ def test_empty_input_is_a_clear_error(spark, tmp_path, capsys):
 
 
 @pytest.mark.spark
-def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_path, capsys, monkeypatch):
-    out = tmp_path / "out"
-    assert run_cli(config) == 0
+def test_a_failure_after_the_labels_commit_publishes_nothing(
+    spark, config_after_first_run, tmp_path, capsys, monkeypatch
+):
+    config, out = config_after_first_run, tmp_path / "out"
     before = sorted_labels(spark, out)
     monkeypatch.setenv(FAULT_ENV, "fail:labels")
     assert run_cli(config, "run_id=second") == 2
@@ -89,14 +90,14 @@ def test_a_failure_after_the_labels_commit_publishes_nothing(spark, config, tmp_
 
 
 @pytest.mark.integration  # spark-submit
-def test_spark_submit_job_with_retried_local_tasks_writes_the_cli_s_labels(spark, config, tmp_path):
+def test_spark_submit_job_with_retried_local_tasks_writes_the_cli_s_labels(spark, published_run, tmp_path):
     """jobs/kfed_job.py under spark-submit, every local-step task failing once and retried by Spark
     (local[2,4]), writes the labels and local clusters that `kfed-spark run` writes undisturbed."""
-    assert run_cli(config) == 0
+    config, out = published_run
     result = spark_submit_job(config, tmp_path / "retried", "local[2,4]", {FAULT_ENV: "fail_first_attempt"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "injected failure in the first attempt of local-step task" in result.stderr
-    assert sorted_labels(spark, tmp_path / "retried") == sorted_labels(spark, tmp_path / "out")
+    assert sorted_labels(spark, tmp_path / "retried") == sorted_labels(spark, out)
 
 
 @pytest.mark.spark

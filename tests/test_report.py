@@ -79,11 +79,12 @@ def test_report_can_be_turned_off(config, tmp_path):
 
 
 @pytest.mark.spark
-def test_a_failed_report_fails_the_attempt_and_a_failed_attempt_leaves_no_report(config, tmp_path, monkeypatch, capsys):
+def test_a_failed_report_fails_the_attempt_and_a_failed_attempt_leaves_no_report(
+    config_after_first_run, tmp_path, monkeypatch, capsys
+):
     """The report is written before the publish commit: a failure there (or later, before the
     publish) fails the attempt, deletes its report and publishes nothing; the earlier report stays."""
-    out = tmp_path / "out"
-    assert main(["run", "--config", str(config)]) == 0
+    config, out = config_after_first_run, tmp_path / "out"
     published_report = (report_folder(out, "first") / "report.json").read_bytes()
     monkeypatch.setenv(FAULT_ENV, "fail:report")
     assert main(["run", "--config", str(config), "--set", "seed=5"]) == 2

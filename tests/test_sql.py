@@ -13,8 +13,8 @@ from kfed_spark.io import OutputTables
 pytestmark = pytest.mark.spark
 
 
-def test_sql_command_queries_the_tables_and_the_latest_run(spark, config, tmp_path, capsys):
-    assert run_cli(config) == 0
+def test_sql_command_queries_the_tables_and_the_latest_run(spark, config_after_first_run, tmp_path, capsys):
+    config = config_after_first_run
     assert run_cli(config, "run_id=second", "k=6") == 0
     capsys.readouterr()
     query = "SELECT run_id, count(DISTINCT cluster_id) AS clusters, count(*) AS n FROM latest_labels GROUP BY run_id"
@@ -61,9 +61,9 @@ def test_catalog_gets_a_latest_labels_view(spark, config, tmp_path):
     assert [r.run_id for r in rows] == ["later"]
 
 
-def test_duckdb_reads_the_published_labels_through_delta_rs(spark, config, tmp_path, monkeypatch):
+def test_duckdb_reads_the_published_labels_through_delta_rs(spark, config_after_first_run, tmp_path, monkeypatch):
     """Without Spark: delta-rs opens the tables, DuckDB keeps the published attempts (the README's recipe)."""
-    assert run_cli(config) == 0
+    config = config_after_first_run
     assert run_cli(config, "k=6") == 0  # a second attempt of the run id: the first is superseded
     monkeypatch.chdir(tmp_path)
     # DuckDB reads these two by their Python names: the README's view selects FROM labels and runs.
