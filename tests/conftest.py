@@ -126,12 +126,11 @@ def published_run(spark, tmp_path_factory, mixture_path):
 
 
 @pytest.fixture()
-def config_after_first_run(tmp_path, mixture_path, published_run):
-    """The config fixture's run config, its output (tmp_path/out) already holding a published run 'first':
-    a copy of published_run's location (Delta tables name their files relative to the table), for the tests
-    that write after a first run without paying for one of their own."""
-    config = write_config(tmp_path, mixture_path)
-    shutil.copytree(published_run[1], tmp_path / "out")
+def config_after_first_run(config, published_run):
+    """The config fixture, its output (tmp_path/out) already holding a published run 'first': a copy of
+    published_run's location (Delta tables name their files relative to the table), for the tests that
+    write after a first run without paying for one of their own."""
+    shutil.copytree(published_run[1], config.parent / "out")
     return config
 
 
