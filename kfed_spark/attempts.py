@@ -79,6 +79,8 @@ class Ledger:
     def __init__(self, tables: OutputTables):
         self.tables = tables
         self.spark = tables.spark
+        self.publishing: set[tuple[str, str]] = set()
+        """(run id, attempt id) of the attempts this process began to publish."""
 
     def rows(self) -> list[RunRecord]:
         return [RunRecord.of(row.asDict()) for row in self.tables.read("runs").collect()]
@@ -126,6 +128,7 @@ class Ledger:
         """The one commit that makes the attempt what readers see, or AttemptConflict if another
         attempt of the run id took its publish number first. Returns the runs rows read back after it
         (all of them: a plain scan of the small table is already warm where a filtered one is not)."""
+        self.publishing.add((attempt.run_id, attempt.attempt_id))
         self.write(row.changed(status=SUCCEEDED, publish_seq=attempt.publish_seq), fence=attempt.publish_seq)
         rows = self.rows()
         landed = next((r for r in rows if (r.run_id, r.attempt_id) == (attempt.run_id, attempt.attempt_id)), None)
@@ -156,17 +159,20 @@ class Ledger:
 
     def fail(self, row: RunRecord, error: str) -> None:
         """Record a failed attempt, after deleting its rows (best effort: the next tidy-up retries).
-        An attempt whose publish commit landed before the failure stays published."""
+        An attempt whose publish commit landed before the failure stays published. What this process
+        never began (a publish, a write) is not read or deleted: a stop on SIGTERM has seconds."""
+        key = (row.run_id, row.attempt_id)
         try:
-            if self.status_of(row.run_id, row.attempt_id) == SUCCEEDED:
+            if key in self.publishing and self.status_of(*key) == SUCCEEDED:
                 log.warning("attempt %s failed after it was published: %s", row.attempt_id, error)
                 return
         except Exception as exc:
             log.warning("could not read the record of attempt %s: %s", row.attempt_id, first_line(exc))
-        removed = False
+        removed = key not in self.tables.attempts_begun
         try:
-            self.tables.delete_attempt(row.run_id, row.attempt_id)
-            removed = True
+            if not removed:
+                self.tables.delete_attempt(*key)
+                removed = True
         except Exception as exc:
             log.warning("could not delete the rows of failed attempt %s: %s", row.attempt_id, first_line(exc))
         try:

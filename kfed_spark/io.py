@@ -171,6 +171,9 @@ class TableStore:
         self.database = output.database
         self.locations = {name: absolute(path) for name, path in (locations or {}).items()}
         """Tables that are somewhere else than <root>/<name> (stream.labels and stream.quarantine)."""
+        self.attempts_begun: set[tuple[str, str]] = set()
+        """(run id, attempt id) of the attempts whose rows or report files this process began to write:
+        an attempt not among them has nothing to delete when it fails here."""
 
     def path(self, name: str) -> str:
         return self.locations.get(name) or f"{self.root}/{name}"
@@ -386,6 +389,7 @@ class AttemptWrites(TableStore):
     def append(self, frames: dict[str, DataFrame], run_id: str, attempt_id: str) -> None:
         """Append an attempt's rows to several tables, each one commit, the commits made concurrently.
         The rows stay invisible until the attempt is published."""
+        self.attempts_begun.add((run_id, attempt_id))
 
         def write(name: str) -> None:
             self._write(frames[name], name, "append", f"kfed-spark run {run_id} attempt {attempt_id}")
@@ -449,6 +453,7 @@ class RunReports(TableStore):
 
     def write_report(self, run_id: str, attempt_id: str, files: dict[str, bytes]) -> None:
         """The attempt's report files under <root>/reports/<run_id>/<attempt_id>/ (any filesystem pyarrow knows)."""
+        self.attempts_begun.add((run_id, attempt_id))
         located = _filesystem(self.report_dir(run_id, attempt_id))
         if located is None:
             log.warning("no report written: pyarrow cannot write to %s", self.root)

@@ -177,14 +177,17 @@ def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, 
     assert main(["run", "--config", str(config)]) == 0
     old = published_attempt(spark, out)
     process = start(config, "k=6", fault="stall")  # every local-step task hangs
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not [r for r in runs_of(spark, out) if r.status == "running"]:
-        time.sleep(0.5)
+    before = []
+    for line in process.stderr:  # read, not polled from runs: a poll's Spark jobs would slow the process
+        before.append(line)
+        if "stage claim took" in line:
+            break
     time.sleep(3)  # inside the local step's Spark job
     process.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     code, _, err = finish(process, timeout=60)
     stopped_after = time.monotonic() - sent
+    err = "".join(before) + err
     assert code == 1, err[-2000:]
     assert last_line(err).startswith("kfed-spark: error: stopped by SIGTERM")
     assert stopped_after < 15, err[-3000:]
