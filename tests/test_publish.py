@@ -105,8 +105,14 @@ def raw_attempts(spark, out, name="labels"):
     }
 
 
-@pytest.mark.parametrize("rerun", [False, True], ids=["first_run", "rerun"])
-@pytest.mark.parametrize("point", POINTS)
+KILLS = [(point, True) for point in POINTS] + [(point, False) for point in ("created", "labels", "published")]
+"""Every point on a re-run, where readers must go on seeing the earlier attempt; on a first run, the points
+where the location is left in a state of another kind: tables without a runs row, rows of no published
+attempt (claimed, tables and report leave the same as labels, and the re-run cases kill there), the first
+publish."""
+
+
+@pytest.mark.parametrize(("point", "rerun"), KILLS, ids=[f"{p}-{'rerun' if r else 'first_run'}" for p, r in KILLS])
 def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(request, spark, tmp_path, point, rerun):
     config = request.getfixturevalue("config_after_first_run" if rerun else "config")
     out = tmp_path / "out"
