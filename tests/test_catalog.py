@@ -1,0 +1,135 @@
+"""A persistent catalog, as the README sets it up: a run's `output.database` views kept in a Hive metastore
+(embedded Derby), read afterwards by a `spark-sql` process, by the Spark Thrift Server over JDBC with
+`beeline`, and from Python's DB-API with PyHive; each answer equal to `kfed-spark sql`'s."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ROOT, free_port, run_cli_process, servers, spark_home, wait_for_port
+from kfed_spark.cli import main
+from kfed_spark.session import delta_package
+
+pytestmark = pytest.mark.integration  # processes of their own: the CLI, spark-sql, the Thrift server, beeline
+
+QUERY = "SELECT cluster_id, count(*) AS n FROM {database}latest_labels GROUP BY cluster_id ORDER BY cluster_id"
+
+
+def readme_catalog(catalog, out) -> tuple[dict, str]:
+    """The README's run settings (YAML) and readers' properties file, its example folders replaced."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("### A persistent catalog") :]
+    section = section[: section.index("\n### ")]
+    section = section.replace("/data/kfed-catalog", str(catalog)).replace("/data/kfed-output", str(out))
+    run_settings = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    properties = re.search(r"```properties\n(.*?)```", section, re.S).group(1)
+    return yaml.safe_load(run_settings), properties
+
+
+def reader_environment() -> dict[str, str]:
+    return {
+        **{key: value for key, value in os.environ.items() if not key.startswith("PYSPARK")},
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
+
+
+def test_views_persist_for_spark_sql_the_thrift_server_beeline_and_db_api(spark, config, tmp_path, capsys):
+    out, catalog = tmp_path / "out", tmp_path / "catalog"
+    settings, properties = readme_catalog(catalog, out)
+    reader_conf = dict(line.split(" ", 1) for line in properties.strip().splitlines())
+    run_conf = settings["spark"]["conf"]
+    assert {key: reader_conf[key] for key in run_conf} == run_conf  # readers open the run's metastore
+    assert reader_conf["spark.jars.packages"] == delta_package()  # the Delta the package installs
+    properties_file = tmp_path / "kfed-catalog.conf"
+    small = {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"}
+    small["spark.driver.extraJavaOptions"] = "-XX:TieredStopAtLevel=1"  # short-lived JVMs start faster
+    properties_file.write_text(properties + "".join(f"{key} {value}\n" for key, value in small.items()))
+
+    cfg = yaml.safe_load(config.read_text())
+    cfg["output"] = settings["output"]
+    cfg.setdefault("spark", {}).setdefault("conf", {}).update(run_conf)
+    catalog_config = tmp_path / "catalog.yaml"
+    catalog_config.write_text(yaml.safe_dump(cfg))
+    ran = run_cli_process("run", "--config", str(catalog_config), cwd=tmp_path)  # its Spark ends with it
+    assert ran.returncode == 0, ran.stderr[-3000:]
+
+    assert main(["sql", QUERY.format(database=""), "--output", str(out)]) == 0
+    expected = capsys.readouterr().out.split()
+    assert expected[:2] == ["cluster_id", "n"] and len(expected) == 2 + 2 * cfg["k"]
+    rows = expected[2:]
+
+    bin_folder = spark_home() / "bin"
+    query = QUERY.format(database=f"{settings['output']['database']}.")
+    spark_sql = subprocess.run(
+        [str(bin_folder / "spark-sql"), "--properties-file", str(properties_file), "-e", query],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=reader_environment(),
+        timeout=600,
+    )
+    assert spark_sql.returncode == 0, spark_sql.stderr[-3000:]
+    assert spark_sql.stdout.split() == rows
+
+    # As the README: Delta's two jars on the driver's class path too, from Ivy's folder (delta-io/delta#1332).
+    ivy = Path.home() / ".ivy2.5.2" / "jars"
+    delta_jars = [*ivy.glob("io.delta_delta-spark_*.jar"), *ivy.glob("io.delta_delta-storage-*.jar")]
+    assert len(delta_jars) == 2, sorted(ivy.glob("io.delta_*"))
+    port = free_port()
+    thrift_server = [
+        str(bin_folder / "spark-submit"),
+        "--properties-file",
+        str(properties_file),
+        "--driver-class-path",
+        ":".join(map(str, delta_jars)),
+        "--master",
+        "local[2]",
+        "--class",
+        "org.apache.spark.sql.hive.thriftserver.HiveThriftServer2",
+        "spark-internal",
+        "--hiveconf",
+        "hive.server2.thrift.bind.host=127.0.0.1",
+        "--hiveconf",
+        f"hive.server2.thrift.port={port}",
+    ]
+    query_file = tmp_path / "query.sql"
+    query_file.write_text(query + ";\n")
+    with servers(tmp_path) as start:  # stopped by pid on the way out
+        wait_for_port(port, start(thrift_server, reader_environment()))
+        beeline = subprocess.run(
+            [
+                str(bin_folder / "beeline"),
+                "-u",
+                f"jdbc:hive2://127.0.0.1:{port}",
+                "-n",
+                "kfed",
+                "--silent=true",
+                "--outputformat=tsv2",
+                "-f",
+                str(query_file),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=reader_environment(),
+            timeout=600,
+        )
+        assert beeline.returncode == 0, (beeline.stdout + beeline.stderr)[-3000:]
+        # Without a terminal, beeline may write console noise before the header, on the header's line.
+        lines = beeline.stdout.splitlines()
+        header = next((i for i, line in enumerate(lines) if line.endswith("cluster_id\tn")), None)
+        assert header is not None, beeline.stdout[-3000:]
+        assert "\n".join(lines[header + 1 :]).split() == rows
+
+        from pyhive import hive
+
+        with hive.connect("127.0.0.1", port=port, username="kfed") as connection:
+            cursor = connection.cursor()
+            cursor.execute(query)
+            assert [str(value) for row in cursor.fetchall() for value in row] == rows
