@@ -68,7 +68,7 @@ class PartitionEvaluation:
         if self.spec.sample_below:
             hashes = row_hashes(x, self.spec.seed)
             chosen = hashes < np.uint64(self.spec.sample_below)
-            self.sample.append((hashes[chosen], x[chosen], cluster[chosen]))
+            self.sample.append((hashes[chosen], x[chosen], cluster[chosen], devices[chosen]))
         if truth is None or len(x) == 0:
             return
         classes = pc.fill_null(pc.cast(truth, pa.string()), NULL_TRUTH).to_numpy(zero_copy_only=False)
@@ -100,13 +100,14 @@ def _added(parts: list):
 class Evaluation:
     """The merged figures: every (device, cluster) pair's rows and sum of squared distances
     (device_clusters, indexed by the pair), truth x cluster counts and the planted clusters' cost
-    (None without a truth column), and the sampled rows with their clusters."""
+    (None without a truth column), and the sampled rows with their clusters and devices."""
 
     device_clusters: pd.DataFrame
     cells: np.ndarray | None
     truth_cost: float | None
     sample_x: np.ndarray
     sample_labels: np.ndarray
+    sample_devices: np.ndarray
 
     @classmethod
     def merge(cls, blobs: list[bytes], sample_rows: int, dim: int) -> Evaluation:
@@ -118,16 +119,17 @@ class Evaluation:
         cells = _added([p[1] for p in parts if p[1] is not None])
         moments = _added([p[2] for p in parts if p[2] is not None])
         samples = [p[3] for p in parts if p[3] is not None]
-        hashes, x, labels = (
+        hashes, x, labels, devices = (
             (np.concatenate(column) for column in zip(*samples))
             if samples
-            else (np.empty(0, np.uint64), np.empty((0, dim)), np.empty(0, np.int64))
+            else (np.empty(0, np.uint64), np.empty((0, dim)), np.empty(0, np.int64), np.empty(0, object))
         )
         keep = np.lexsort((labels, hashes))[:sample_rows]  # by hash: the same whatever the partitions
+        sample = (x[keep], labels[keep], devices[keep])
         if cells is None:
-            return cls(profiles, None, None, x[keep], labels[keep])
+            return cls(profiles, None, None, *sample)
         classes, clusters = (cells.index.get_level_values(level).to_numpy() for level in (0, 1))
         truth_cost = within_cluster_cost(
             moments["n"].to_numpy(), moments[list(range(dim))].to_numpy(), moments["sum_sq"].to_numpy()
         )
-        return cls(profiles, contingency(classes, clusters, cells.to_numpy()), truth_cost, x[keep], labels[keep])
+        return cls(profiles, contingency(classes, clusters, cells.to_numpy()), truth_cost, *sample)

@@ -170,6 +170,12 @@ def run(
         writes.append(in_background(write_centers, tables, attempt, schemas, clustering))
         with timer.stage("labels"):
             counted, labelled = write_labels(tables, attempt, cfg, raw.schema, clustering)
+        evaluation = counted.evaluation
+        iid = report.iid_warning(
+            report.heterogeneity(evaluation.sample_x, evaluation.sample_devices, clustering.server.centers)
+        )
+        if iid:
+            log.warning("run %s: %s", run_id, iid)
         result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
         row = row.changed(**result_columns(result))
         device_type = clustering.local.table.schema.field("device_id").type
@@ -523,6 +529,7 @@ def run_report(
         global_centers=server.centers,
         sample_x=evaluation.sample_x,
         sample_labels=evaluation.sample_labels,
+        sample_devices=evaluation.sample_devices,
         truth_cells=evaluation.cells,
         changes=None if changes is None else changes.drop_columns(["devices_in", "devices_out"]).to_pylist(),
     )

@@ -20,6 +20,19 @@ def contingency(truth: np.ndarray, labels: np.ndarray, counts: np.ndarray | None
     return cells
 
 
+def clusters_in_effect(groups: np.ndarray, labels: np.ndarray) -> tuple[float, float, int]:
+    """How many clusters the rows of one group spread over, in effect, and how many all the rows do: the
+    inverse of the chance that two rows of the same group (of all the rows) have the same label, c for
+    rows spread evenly over c clusters. Also the number of same-group pairs the first figure rests on
+    (with none of them alike, the first figure is that number: the chance is below its inverse)."""
+    if len(labels) < 2:
+        return 0.0, 0.0, 0
+    cells = contingency(groups, labels)
+    group_pairs, alike_in_group = _pairs(cells.sum(axis=1)), _pairs(cells)
+    all_pairs, alike = _pairs(np.array([cells.sum()])), _pairs(cells.sum(axis=0))
+    return group_pairs / max(alike_in_group, 1.0), all_pairs / max(alike, 1.0), int(group_pairs)
+
+
 def adjusted_rand_index(truth: np.ndarray, labels: np.ndarray, counts: np.ndarray | None = None) -> float:
     """Adjusted Rand index (Hubert and Arabie 1985) of two labelings given as (truth, label, count) cells.
 

@@ -14,10 +14,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from kfed_spark.k_sweep import KSweep
-from kfed_spark.metrics import ari_of, matched_accuracy_of, nmi_of, silhouette
+from kfed_spark.kernels import nearest_center
+from kfed_spark.metrics import ari_of, clusters_in_effect, matched_accuracy_of, nmi_of, silhouette
 
 SILHOUETTE_SAMPLE_ROWS = 2000
 """Rows (a seeded sample) the silhouette is computed on: it needs all their pairwise distances."""
+
+SAME_DEVICE_PAIRS_NEEDED = 100
+"""Pairs of sampled rows of the same device below which the heterogeneity check says nothing."""
+
+IID_SHARE = 2 / 3
+"""A partition looks IID when the rows of one device spread over more than this share of the clusters
+that all the rows spread over (in effect): an IID shuffle spreads over all of them (a share near 1), a
+mixture whose devices hold half of the clusters each over half."""
 
 PLOTTED_LOCAL_CENTERS = 5000
 """At most this many local centers are drawn in the projection (an even subsample beyond)."""
@@ -35,6 +44,7 @@ class RunFacts:
     global_centers: np.ndarray  # (k, d)
     sample_x: np.ndarray  # (s, d) sampled rows
     sample_labels: np.ndarray  # (s,) their global clusters
+    sample_devices: np.ndarray  # (s,) their devices
     truth_cells: np.ndarray | None  # (classes, clusters) contingency table, if a truth column is set
     changes: list[dict] | None = None  # the run's cluster_changes rows, without their device lists
 
@@ -54,6 +64,7 @@ def build(facts: RunFacts) -> dict:
             "value": silhouette(facts.sample_x, facts.sample_labels) if len(facts.sample_x) > 1 else None,
             "sample_rows": int(len(facts.sample_x)),
         },
+        "heterogeneity": heterogeneity(facts.sample_x, facts.sample_devices, facts.global_centers),
         "truth": None,
         "since_reference": None if facts.changes is None else _since_reference(facts.changes),
     }
@@ -67,6 +78,39 @@ def build(facts: RunFacts) -> dict:
             "accuracy": matched_accuracy_of(cells),
         }
     return report
+
+
+def heterogeneity(sample_x: np.ndarray, sample_devices: np.ndarray, centers: np.ndarray) -> dict:
+    """Whether the devices hold few of the clusters each, as k-FED needs (the paper's k' against sqrt(k)),
+    or look alike, as an IID shuffle of the rows would: from the report's sampled rows, how many global
+    clusters the rows of one device spread over in effect, against how many all the rows do.
+
+    A row counts in the cluster of its nearest global center, not in its label: a label follows the
+    device's local clusters, at most k_per_device of them, whatever the device holds. The partition looks
+    IID when a device spreads over more than IID_SHARE of the clusters in effect; with too few same-device
+    pairs in the sample (SAME_DEVICE_PAIRS_NEEDED), nothing is concluded."""
+    nearest = nearest_center(sample_x, centers)[0] if len(sample_x) else np.empty(0, np.int64)
+    per_device, overall, pairs = clusters_in_effect(sample_devices, nearest)
+    return {
+        "clusters_per_device_in_effect": per_device,
+        "clusters_in_effect": overall,
+        "sqrt_k": float(np.sqrt(len(centers))),
+        "same_device_pairs": pairs,
+        "looks_iid": bool(pairs >= SAME_DEVICE_PAIRS_NEEDED and per_device > IID_SHARE * overall),
+    }
+
+
+def iid_warning(spread: dict) -> str | None:
+    """The warning a run logs (and its report shows) when its partition looks IID."""
+    if not spread["looks_iid"]:
+        return None
+    per_device, overall = spread["clusters_per_device_in_effect"], spread["clusters_in_effect"]
+    return (
+        f"the devices look alike (IID): the rows of one device spread over {per_device:.1f} of the "
+        f"{overall:.1f} clusters in effect, where k-FED needs each device to hold few (about "
+        f"sqrt(k) = {spread['sqrt_k']:.1f} or fewer): a centralized k-means such as Spark MLlib's "
+        "suits this data better"
+    )
 
 
 def _since_reference(changes: list[dict]) -> dict:
@@ -330,6 +374,7 @@ def _lines(report: dict) -> list[tuple[str, str]]:
         ("k-means cost", f"{report['cost']:.6g} ({report['cost'] / max(report['n_labelled'], 1):.4g} per row)"),
         ("k_z per device", _describe(report["k_z"])),
         ("global clusters per device", _describe(report["clusters_per_device"])),
+        *_heterogeneity_lines(report.get("heterogeneity")),  # reports of older versions lack it
         (
             "cluster sizes",
             f"min {min(report['cluster_sizes'])}, max {max(report['cluster_sizes'])}, "
@@ -363,6 +408,17 @@ def _lines(report: dict) -> list[tuple[str, str]]:
             )
         )
     return lines
+
+
+def _heterogeneity_lines(spread: dict | None) -> list[tuple[str, str]]:
+    if not spread or spread["same_device_pairs"] < SAME_DEVICE_PAIRS_NEEDED:
+        return []
+    line = (
+        f"{spread['clusters_per_device_in_effect']:.1f} per device of {spread['clusters_in_effect']:.1f} in effect "
+        f"(sqrt(k) = {spread['sqrt_k']:.1f}; from {spread['same_device_pairs']} same-device pairs of sampled rows)"
+    )
+    warning = iid_warning(spread)
+    return [("clusters a device's rows lie in", line + (f"; WARNING: {warning}" if warning else ""))]
 
 
 def _describe(distribution: dict) -> str:

@@ -81,6 +81,9 @@ def test_figures_and_sample_do_not_depend_on_the_partitioning():
     assert len(one.sample_x) == 100
     np.testing.assert_array_equal(one.sample_x, other.sample_x)
     np.testing.assert_array_equal(one.sample_labels, other.sample_labels)
+    np.testing.assert_array_equal(one.sample_devices, other.sample_devices)
+    sampled = {row.tobytes(): device for row, device in zip(x, devices)}  # each row's own device
+    assert [sampled[row.tobytes()] for row in one.sample_x] == list(one.sample_devices)
 
 
 def test_without_truth_or_sample_there_is_nothing_to_merge_but_counts():

@@ -6,6 +6,7 @@ from sklearn import metrics as sk
 
 from kfed_spark.metrics import (
     adjusted_rand_index,
+    clusters_in_effect,
     contingency,
     cost_of_labels,
     matched_accuracy_of,
@@ -53,3 +54,16 @@ def test_the_cost_of_a_labelling_is_its_sum_of_squares_about_each_cluster_s_mean
     expected = sum(float(((x[labels == c] - x[labels == c].mean(axis=0)) ** 2).sum()) for c in np.unique(labels))
     assert cost_of_labels(x, labels) == pytest.approx(expected, rel=1e-12)
     assert cost_of_labels(x + 1e9, labels) == pytest.approx(expected, rel=1e-6)
+
+
+def test_clusters_in_effect_counts_what_a_group_spreads_over():
+    rng = np.random.default_rng(4)
+    groups = np.repeat(np.arange(200), 30)
+    held = np.array([rng.choice(16, size=4, replace=False) for _ in range(200)])  # 4 of 16 per group
+    labels = held[groups, rng.integers(0, 4, size=len(groups))]
+    per_group, overall, pairs = clusters_in_effect(groups, labels)
+    assert pairs == 200 * 30 * 29 // 2
+    assert per_group == pytest.approx(4, rel=0.1) and overall == pytest.approx(16, rel=0.1)
+    per_group, overall, _ = clusters_in_effect(rng.permutation(groups), labels)  # the same rows shuffled
+    assert per_group == pytest.approx(overall, rel=0.1)
+    assert clusters_in_effect(groups[:1], labels[:1]) == (0.0, 0.0, 0)

@@ -1,17 +1,26 @@
 """The run report (report.json, report.html, `kfed-spark report`) and real datasets prepared as input."""
 
 import base64
+import html
 import json
 import re
 from html.parser import HTMLParser
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from helpers import MIXTURE, needs_shared_data, published, report_folder, runs_of
+from kfed_spark import report
 from kfed_spark.bench.datasets import hashed_ngram_tfidf, load
+from kfed_spark.bench.synthetic import mixture
 from kfed_spark.cli import main
 from kfed_spark.faults import FAULT_ENV
+from kfed_spark.kernels import federated_kmeans
+from kfed_spark.params import AlgorithmParams
+from kfed_spark.workers import feature_matrix
 
 
 class PageParser(HTMLParser):
@@ -73,6 +82,37 @@ def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, published_
 
 
 @pytest.mark.spark
+def test_a_run_on_an_iid_shuffle_of_the_mixture_warns_and_the_generated_one_does_not(
+    spark, published_run, tmp_path, caplog
+):
+    generated = json.loads((report_folder(published_run[1], "first") / "report.json").read_text())
+    assert generated["heterogeneity"]["looks_iid"] is False
+    assert generated["heterogeneity"]["clusters_per_device_in_effect"] == pytest.approx(
+        MIXTURE["k_per_device"], rel=0.1
+    )
+
+    table = mixture(**MIXTURE)
+    shuffled = table.set_column(
+        1, "device_id", pa.array(np.random.default_rng(0).permutation(table.column("device_id").to_numpy()))
+    )
+    (tmp_path / "iid").mkdir()
+    pq.write_table(shuffled, tmp_path / "iid" / "part-0.parquet")
+    settings = yaml.safe_load(published_run[0].read_text())
+    settings["input"]["path"], settings["output"]["path"] = str(tmp_path / "iid"), str(tmp_path / "out")
+    config = tmp_path / "iid.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    assert main(["run", "--config", str(config)]) == 0
+    shuffled_report = json.loads((report_folder(tmp_path / "out", "first") / "report.json").read_text())
+    assert shuffled_report["heterogeneity"]["looks_iid"] is True
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "look alike (IID)" in r.getMessage()
+    ]
+    assert warnings == [f"run first: {report.iid_warning(shuffled_report['heterogeneity'])}"]
+    page = (report_folder(tmp_path / "out", "first") / "report.html").read_text()
+    assert "WARNING: the devices look alike (IID)" in html.unescape(page)
+
+
+@pytest.mark.spark
 def test_report_can_be_turned_off(config, tmp_path):
     assert main(["run", "--config", str(config), "--set", "report=false"]) == 0
     assert not (tmp_path / "out" / "reports").exists()
@@ -124,3 +164,27 @@ def test_hashed_ngram_tfidf_rows_are_unit_length_and_stable():
     np.testing.assert_array_equal(
         x, hashed_ngram_tfidf(["To be or not to be", "to be or not TO BE", "Now is the winter"], buckets=64)
     )
+
+
+HALF_HELD = dict(k=16, k_per_device=8, devices=200, points_per_device=50, dim=8, seed=3)
+"""Devices holding half of the clusters each: beyond the paper's sqrt(k), but not IID."""
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    ("generated", "k_per_device"), [(MIXTURE, 2), (MIXTURE, 3), (HALF_HELD, 8)], ids=["mixture-2", "mixture-3", "half"]
+)
+def test_the_heterogeneity_check_tells_a_mixture_from_an_iid_shuffle_of_its_rows(generated, k_per_device):
+    """Shuffled, each device holds every cluster. A run with k_per_device 2 (the default) labels at most 2
+    clusters per device either way: the check must not rest on the labels."""
+    table = mixture(**generated)
+    x, devices = feature_matrix(table.column("features")), table.column("device_id").to_numpy()
+    rng = np.random.default_rng(1)
+    sample = rng.choice(len(x), report.SILHOUETTE_SAMPLE_ROWS, replace=False)
+    for partition, iid in ((devices, False), (rng.permutation(devices), True)):
+        fitted = federated_kmeans(x, partition, AlgorithmParams(k=generated["k"], k_per_device=k_per_device, seed=1))
+        spread = report.heterogeneity(x[sample], partition[sample], fitted.server.centers)
+        assert spread["looks_iid"] is iid and (report.iid_warning(spread) is not None) is iid, spread
+        assert spread["sqrt_k"] == pytest.approx(np.sqrt(generated["k"]))
+        held = spread["clusters_per_device_in_effect"]
+        assert held == pytest.approx(spread["clusters_in_effect"] if iid else generated["k_per_device"], rel=0.15)
