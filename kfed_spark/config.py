@@ -75,6 +75,27 @@ IDENTITY_MODES = ("stable", "fresh")
 
 
 @dataclass(frozen=True)
+class MlflowTracking:
+    """Where each published attempt is logged in MLflow (kfed_spark.tracking)."""
+
+    uri: str | None = None
+    """The tracking server or store (http://host:5000, databricks, sqlite:///mlflow.db); by default
+    MLflow's own choice (MLFLOW_TRACKING_URI)."""
+    experiment: str = "kfed-spark"
+    """The experiment the attempts are logged in, created if missing."""
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    mlflow: MlflowTracking | None = None
+    """With this section (empty is enough), each published attempt is logged to MLflow."""
+
+
+NESTED_SECTIONS = {"tracking": {"mlflow": MlflowTracking}}
+"""Sections inside a section: the config key path -> its dataclass."""
+
+
+@dataclass(frozen=True)
 class SparkConfig:
     master: str | None = None
     remote: str | None = None
@@ -92,6 +113,7 @@ class KFedConfig(AlgorithmParams):
     spark: SparkConfig = field(default_factory=SparkConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     identity: IdentityConfig = field(default_factory=IdentityConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     run_id: str | None = None
     local_partitions: int | None = None
     on_bad_rows: str = "quarantine"
@@ -105,6 +127,7 @@ SECTIONS = {
     "spark": SparkConfig,
     "stream": StreamConfig,
     "identity": IdentityConfig,
+    "tracking": TrackingConfig,
 }
 MAPPING_KEYS = ("spark.conf", "input.options")
 """Config keys whose values are free-form mappings with dotted keys of their own."""
@@ -181,7 +204,14 @@ def _section(name: str, cls: type, raw: dict[str, Any]) -> Any:
             f"unknown config key {name}.{sorted(unknown)[0]}; known keys in {name}: "
             f"{', '.join(sorted(_field_names(cls)))}"
         )
-    return cls(**raw)
+    inner = {}
+    for key, section in NESTED_SECTIONS.get(name, {}).items():
+        if key in raw:
+            value = raw[key] or {}  # `mlflow:` with nothing under it turns the section on
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section {name}.{key!r} must be a mapping")
+            inner[key] = _section(f"{name}.{key}", section, value)
+    return cls(**{**raw, **inner})
 
 
 def validate(cfg: KFedConfig) -> None:
@@ -238,6 +268,11 @@ def validate_io(cfg: KFedConfig) -> None:
         raise ConfigError("output.path must not contain a single quote")
     if cfg.output.database is not None and not IDENTIFIER_PATTERN.match(str(cfg.output.database)):
         raise ConfigError(f"output.database {cfg.output.database!r} is not a plain identifier")
+    mlflow = cfg.tracking.mlflow
+    if mlflow is not None:
+        for key, value in (("uri", mlflow.uri), ("experiment", mlflow.experiment)):
+            if not (isinstance(value, str) and value.strip()) and (key, value) != ("uri", None):
+                raise ConfigError(f"tracking.mlflow.{key} must be non-empty text, got {value!r}")
     stream = cfg.stream
     if finite_number(stream.trigger_seconds) or stream.trigger_seconds == 0:
         raise ConfigError(f"stream.trigger_seconds must be a finite number > 0, got {stream.trigger_seconds!r}")

@@ -408,6 +408,16 @@ class AttemptWrites(TableStore):
 
         concurrently(write, list(frames))
 
+    def record_tracking(self, run_id: str, attempt_id: str, mlflow_run_id: str | None, error: str | None) -> None:
+        """Set a published attempt's mlflow_run_id and tracking_error in runs: an UPDATE of those two
+        columns only, so that a status another process set meanwhile (superseded) stays as it is."""
+        values = ", ".join(
+            f"{column} = {'NULL' if value is None else sql_string(value)}"
+            for column, value in (("mlflow_run_id", mlflow_run_id), ("tracking_error", error))
+        )
+        with self.writing("runs"):
+            self.spark.sql(f"UPDATE {self.source('runs')} SET {values} WHERE {attempt_filter(run_id, attempt_id)}")
+
     def add_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str) -> None:
         """Append a new attempt's first row to `runs`: a plain append, about a third of a replacing commit."""
         self._write(row, "runs", "append", f"kfed-spark run {run_id} attempt {attempt_id}")
@@ -484,6 +494,20 @@ class RunReports(TableStore):
                 return stream.read()
         except FileNotFoundError:
             raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}") from None
+
+    def report_files(self, run_id: str, attempt_id: str) -> dict[str, bytes]:
+        """Every file of an attempt's report by name; none where it wrote none (or pyarrow cannot read there)."""
+        located = _filesystem(self.report_dir(run_id, attempt_id))
+        if located is None:
+            return {}
+        filesystem, folder = located
+        found = filesystem.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
+        files = {}
+        for info in found:
+            if info.type == pafs.FileType.File:
+                with filesystem.open_input_stream(info.path) as stream:
+                    files[info.base_name] = stream.read()
+        return files
 
 
 class PublishedViews(TableStore):

@@ -225,6 +225,10 @@ def run(
     faults.point("published")
     with timer.stage("supersede"):
         ledger.supersede_others(attempt, runs_now)
+    if cfg.tracking.mlflow is not None:
+        from kfed_spark.tracking import track_attempt
+
+        track_attempt(cfg, row, tables, clustering)
     log.info(
         "run %s: %d rows labelled, %d quarantined, cost %.6g",
         run_id,

@@ -128,6 +128,8 @@ COLUMN_COMMENTS = {
     "devices_out": "devices in both runs whose largest share of rows (as their local centers count them) was in "
     "this cluster and is in another now",
     "versions": "versions of kfed-spark, Spark, Delta and the numeric libraries",
+    "mlflow_run_id": "with tracking.mlflow: the MLflow run this published attempt was logged as",
+    "tracking_error": "with tracking.mlflow: why logging this published attempt to MLflow failed (it stays published)",
 }
 """Delta comments of the output columns; a column not named here is the input's and says so."""
 TABLE_COLUMN_COMMENTS = {
@@ -316,6 +318,8 @@ class RunRecord:
     highest_cluster_id: int | None = _column(IntegerType())
     k_range: list[int] | None = _column(ArrayType(IntegerType(), False))
     k_sweep: list[tuple] | None = _column(ArrayType(K_SWEEP_TYPE, False))
+    mlflow_run_id: str | None = _column(StringType())
+    tracking_error: str | None = _column(StringType())
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> RunRecord:

@@ -210,6 +210,26 @@ def servers(logs: Path):
                 process.kill()
 
 
+def tool_python(name: str, requirements: list[str]) -> Path:
+    """The python of a virtual environment of the tool's own, for a tool that cannot share the tests'
+    environment (Airflow's Spark provider installs the Spark Connect client as `pyspark`; MLflow's server
+    pins a pyarrow below this one). Built with uv (the test extra) on first use, which resolves and installs
+    a few hundred packages in parallel, and kept under ~/.cache/kfed-spark/<name>-venv (KFED_<NAME>_VENV
+    elsewhere) while the requirements stay the same."""
+    default = Path.home() / ".cache" / "kfed-spark" / f"{name}-venv"
+    venv = Path(os.environ.get(f"KFED_{name.upper()}_VENV", default))
+    wanted = "\n".join(requirements)
+    marker = venv / "kfed-requirements.txt"
+    if not marker.exists() or marker.read_text() != wanted:
+        uv = [sys.executable, "-m", "uv"]
+        subprocess.run([*uv, "venv", "--quiet", "--clear", "--python", sys.executable, str(venv)], check=True)
+        python = str(venv / "bin" / "python")
+        install = [*uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", python, *requirements]
+        subprocess.run(install, check=True, timeout=1800)
+        marker.write_text(wanted)
+    return venv / "bin" / "python"
+
+
 def bare_environment(folder: Path) -> dict[str, str]:
     """What the workers see: a PATH whose python3 is a venv without packages, no PYSPARK_* or venv."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)

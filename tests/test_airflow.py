@@ -14,30 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MIXTURE, ROOT
+from helpers import MIXTURE, ROOT, tool_python
 from kfed_spark.packaging import build
 from kfed_spark.session import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
 
-VENV = Path(os.environ.get("KFED_AIRFLOW_VENV", Path.home() / ".cache" / "kfed-spark" / "airflow-venv"))
-
-
 def airflow_python() -> Path:
     requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["airflow"]
-    wanted = "\n".join([*requirements, "pytest>=8"])
-    marker = VENV / "kfed-requirements.txt"
-    if not marker.exists() or marker.read_text() != wanted:
-        # uv (the test extra) resolves and installs Airflow's few hundred packages in parallel: on a fresh
-        # machine it builds this environment in a fraction of pip's minutes.
-        uv = [sys.executable, "-m", "uv"]
-        subprocess.run([*uv, "venv", "--quiet", "--clear", "--python", sys.executable, str(VENV)], check=True)
-        python = str(VENV / "bin" / "python")
-        install = [*uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", python, *wanted.split("\n")]
-        subprocess.run(install, check=True, timeout=1800)
-        marker.write_text(wanted)
-    return VENV / "bin" / "python"
+    return tool_python("airflow", [*requirements, "pytest>=8"])
 
 
 def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path, standalone_master):

@@ -36,6 +36,14 @@ def test_a_date_as_run_id_stays_the_text_given(tmp_path):
     assert load_config(path).identity.reference == "2026-11-28"
 
 
+def test_mlflow_tracking_is_on_with_its_section_even_empty():
+    assert load_config(None, BASE).tracking.mlflow is None
+    on = build_config({**yaml.safe_load("input: {path: /in}\noutput: {path: /out}"), "tracking": {"mlflow": None}})
+    assert (on.tracking.mlflow.uri, on.tracking.mlflow.experiment) == (None, "kfed-spark")
+    named = load_config(None, BASE + ["tracking.mlflow.uri=http://127.0.0.1:5000", "tracking.mlflow.experiment=e"])
+    assert (named.tracking.mlflow.uri, named.tracking.mlflow.experiment) == ("http://127.0.0.1:5000", "e")
+
+
 def test_features_can_be_a_list_of_columns():
     cfg = load_config(None, BASE + ["input.features_col=[x1, x2, x3]"])
     assert cfg.input.features_col == ["x1", "x2", "x3"]
@@ -83,6 +91,9 @@ def test_features_can_be_a_list_of_columns():
         (["identity.mode=fresh", "identity.reference=day-1"], "need identity.mode: stable"),
         (["identity.warm_start=sometimes"], "identity.warm_start must be true or false"),
         (["identity.reference=a b"], "identity.reference 'a b' is not allowed"),
+        (["tracking.mlflow.url=http://x"], "unknown config key tracking.mlflow.url"),
+        (["tracking.mlflow=yes"], "config section tracking.'mlflow' must be a mapping"),
+        (["tracking.mlflow.experiment="], "tracking.mlflow.experiment must be non-empty text, got None"),
     ],
 )
 def test_invalid_configuration_is_named(overrides, message):
