@@ -1,5 +1,5 @@
 """The `kfed-spark` command: run, assign, stream, sql, maintain, report, choose-k, package, generate, prepare,
-demo, bench, bench-quality, bench-server. Each handler imports what its command needs: the parser alone
+demo, bench, bench-quality, bench-paper, bench-server. Each handler imports what its command needs: the parser alone
 imports no Spark and none of the benchmarks' tooling (kfed_spark.bench).
 
 spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
@@ -277,6 +277,23 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--seed", type=int, default=0, help="seed of every method (default 0)")
     quality.set_defaults(handler=command_bench_quality)
 
+    paper = commands.add_parser(
+        "bench-paper",
+        help="the k-FED paper's experiments (section 4): structured against IID partitions, one round against "
+        "MLlib's rounds, the synthetic setting",
+    )
+    paper.add_argument(
+        "--datasets", help="comma-separated among femnist, shakespeare, mixture (default: the paper's two)"
+    )
+    paper.add_argument("--out", default="kfed-paper", help="folder for paper.md, paper.json and the figures")
+    paper.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
+    paper.add_argument("--max-devices", type=int, help="use only this many devices of each real dataset")
+    paper.add_argument("--seed", type=int, default=0, help="seed of the partition and rounds studies (default 0)")
+    paper.add_argument("--synthetic-k", help="comma-separated k of the synthetic setting (default 16,25,36,64,100)")
+    paper.add_argument("--seeds", type=int, help="seeds of the synthetic setting (default 10)")
+    paper.add_argument("--rounds", help="comma-separated numbers of MLlib's rounds (default 1,2,3,5,10,20)")
+    paper.set_defaults(handler=command_bench_paper)
+
     server = commands.add_parser("bench-server", help="time the server step (alg. 2) alone on many local centers")
     server.add_argument("--devices", type=int, default=200_000, help="devices (default 200000)")
     server.add_argument("--per-device", type=int, default=5, help="local centers per device (default 5)")
@@ -372,7 +389,7 @@ def command_bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             wide=args.wide,
         )
-    command = "kfed-spark bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "kfed-spark bench"
+    command = command_line("bench")
     fresh = benchmark_fresh(
         data, out / "fresh", args.k, args.k_per_device, args.seed, command, args.master, args.driver_memory
     )
@@ -403,23 +420,72 @@ def command_bench(args: argparse.Namespace) -> int:
 
 def command_bench_quality(args: argparse.Namespace) -> int:
     from kfed_spark.bench.quality import PROBLEMS, bench_quality, markdown
-    from kfed_spark.config import SparkConfig
-    from kfed_spark.session import build_session
 
-    names = list(PROBLEMS) if args.datasets is None else [n.strip() for n in args.datasets.split(",") if n.strip()]
+    names = list(PROBLEMS) if args.datasets is None else comma_list(args.datasets)
     if not names or set(names) - set(PROBLEMS):
         raise KFedError(f"--datasets takes names from {', '.join(PROBLEMS)}, got {args.datasets!r}")
     require_sklearn("bench-quality", "(its centralized baseline)")
-    conf = {**QUIET_LOCAL_SPARK, "spark.ui.showConsoleProgress": "false"}
-    spark = build_session(SparkConfig(master="local[2]", app_name="kfed-spark-quality", conf=conf))
-    command = (
-        "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-quality"] else "kfed-spark bench-quality"
-    )
+    spark = quiet_local_session("kfed-spark-quality")
+    command = command_line("bench-quality")
     out = Path(args.out).resolve()
     rows = bench_quality(spark, names, out, args.data_dir, args.max_devices, args.seed, command)
     print(markdown(rows, command))
     print(f"report: {out / 'quality.md'} and {out / 'quality.json'}")
     return 0
+
+
+def command_bench_paper(args: argparse.Namespace) -> int:
+    from kfed_spark.bench import paper
+
+    names = paper.PAPER_DATASETS if args.datasets is None else comma_list(args.datasets)
+    if not names or set(names) - set(paper.K_PRIMES):
+        raise KFedError(f"--datasets takes names from {', '.join(paper.K_PRIMES)}, got {args.datasets!r}")
+    ks = paper.SYNTHETIC_KS if args.synthetic_k is None else whole_numbers(args.synthetic_k)
+    rounds = paper.ROUNDS if args.rounds is None else whole_numbers(args.rounds)
+    seeds = paper.SYNTHETIC_SEEDS if args.seeds is None else args.seeds
+    if not ks or min(ks) < 4 or not rounds or min(rounds) < 1 or seeds < 1:
+        raise KFedError(
+            "--synthetic-k takes whole numbers of at least 4, --rounds at least 1 and --seeds at least 1, got "
+            f"{args.synthetic_k!r}, {args.rounds!r} and {args.seeds}"
+        )
+    require_sklearn("bench-paper", "(its centralized k-means)")
+    spark = quiet_local_session("kfed-spark-paper")
+    out = Path(args.out).resolve()
+    command = command_line("bench-paper")
+    print(
+        paper.bench_paper(
+            spark, list(names), out, args.data_dir, args.max_devices, args.seed, ks, seeds, rounds, command
+        )
+    )
+    print(f"report: {out / 'paper.md'}, {out / 'paper.json'} and the figures beside them")
+    return 0
+
+
+def comma_list(text: str) -> list[str]:
+    """The non-empty items of a comma-separated list."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def whole_numbers(text: str) -> tuple[int, ...]:
+    """Comma-separated whole numbers, or () if any is not one."""
+    try:
+        return tuple(int(part) for part in comma_list(text))
+    except ValueError:
+        return ()
+
+
+def quiet_local_session(app_name: str):
+    """The benchmarks' local[2] session, without the console progress bar."""
+    from kfed_spark.config import SparkConfig
+    from kfed_spark.session import build_session
+
+    conf = {**QUIET_LOCAL_SPARK, "spark.ui.showConsoleProgress": "false"}
+    return build_session(SparkConfig(master="local[2]", app_name=app_name, conf=conf))
+
+
+def command_line(command: str) -> str:
+    """The command as the user typed it, for a report's first line."""
+    return "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == [command] else f"kfed-spark {command}"
 
 
 def require_sklearn(command: str, hint: str) -> None:

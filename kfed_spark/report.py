@@ -163,7 +163,7 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
     ax = fig.subplots()
     ax.bar(np.arange(k), report["cluster_sizes"], color=colors[:k], width=0.9)
     ax.set(xlabel="global cluster", ylabel="rows", title="Cluster sizes")
-    images["cluster_sizes"] = _png(fig)
+    images["cluster_sizes"] = png(fig)
 
     fig = Figure(figsize=(6.5, 5.5))
     ax = fig.subplots()
@@ -188,7 +188,7 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
         title="Local and global centers (2-D projection), coloured by global cluster",
     )
     ax.legend(loc="best", fontsize=8)
-    images["projection"] = _png(fig)
+    images["projection"] = png(fig)
 
     for name, key, label in (
         ("k_z", "k_z", "local centers on the device (k_z)"),
@@ -204,7 +204,7 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
             xlabel=label, ylabel="devices", title=f"Devices by {label}", xlim=(min(positions) - 1, max(positions) + 1)
         )
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        images[name] = _png(fig)
+        images[name] = png(fig)
     since = report.get("since_reference")
     if since and since["reference_run_id"] is not None:
         images["since_reference"] = _changes_figure(since)
@@ -255,7 +255,7 @@ def _changes_figure(since: dict) -> bytes:
     tallest = max([c["n_points"] or 0 for c in clusters] + [c["reference_n_points"] or 0 for c in clusters] + [1])
     ax.set_ylim(0, 1.35 * tallest)  # room for the legend above the bars
     ax.legend(loc="upper left", fontsize=7, ncol=2)
-    return _png(fig)
+    return png(fig)
 
 
 def _projection(local: np.ndarray, counts: np.ndarray, global_centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -268,7 +268,7 @@ def _projection(local: np.ndarray, counts: np.ndarray, global_centers: np.ndarra
     return (local - mean) @ directions.T, (global_centers - mean) @ directions.T
 
 
-def _png(fig) -> bytes:
+def png(fig) -> bytes:
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=90)
@@ -352,7 +352,7 @@ def _k_sweep_figure(sweep: KSweep) -> bytes:
             ax.set_yscale("log")
         ax.set(xlabel="k", title=label)
     fig.suptitle(f"k sweep: recommended k = {sweep.recommended_k} (dashed)")
-    return _png(fig)
+    return png(fig)
 
 
 def _lines(report: dict) -> list[tuple[str, str]]:

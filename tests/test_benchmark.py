@@ -149,11 +149,13 @@ def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path):
     import sys
 
     blocked = "import sys; sys.modules['sklearn'] = None; from kfed_spark.cli import main; sys.exit(main(sys.argv[1:]))"
-    for command in (["bench", "--out", str(tmp_path / "b")], ["bench-quality", "--out", str(tmp_path / "q")]):
+    hints = {"bench": "or pass --no-sklearn", "bench-quality": "(its centralized baseline)"}
+    hints["bench-paper"] = "(its centralized k-means)"
+    for name in hints:
+        command = [name, "--out", str(tmp_path / name)]
         result = subprocess.run([sys.executable, "-c", blocked, *command], capture_output=True, text=True, timeout=120)
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.strip().splitlines()[-1] == (
-            f"kfed-spark: error: {command[0]} needs scikit-learn: pip install 'kfed-spark[bench]' "
-            + ("or pass --no-sklearn" if command[0] == "bench" else "(its centralized baseline)")
+            f"kfed-spark: error: {name} needs scikit-learn: pip install 'kfed-spark[bench]' {hints[name]}"
         )
-    assert not (tmp_path / "b").exists()
+        assert not (tmp_path / name).exists()
