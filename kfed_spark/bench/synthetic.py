@@ -88,10 +88,15 @@ def close_means_mixture(
     """A harder heterogeneous mixture: close cluster means (CLOSE_SEPARATION) and uneven devices,
     each holding per_device of the k clusters and rows[0] to rows[1] rows. Columns as mixture()."""
     means = np.random.default_rng([seed, 0xC105E]).normal(size=(k, dim))
+    means *= CLOSE_SEPARATION / median_nearest_mean_distance(means)
+    return devices_table(means, seed, "close-means", devices, per_device, rows)
+
+
+def median_nearest_mean_distance(means: np.ndarray) -> float:
+    """The median over the means of the distance to the nearest other mean."""
     gaps = np.sqrt(((means[:, None] - means[None]) ** 2).sum(axis=2))
     np.fill_diagonal(gaps, np.inf)
-    means *= CLOSE_SEPARATION / np.median(gaps.min(axis=1))
-    return devices_table(means, seed, "close-means", devices, per_device, rows)
+    return float(np.median(gaps.min(axis=1)))
 
 
 UNEVEN_DECAY = 0.9
