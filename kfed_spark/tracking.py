@@ -15,7 +15,7 @@ import logging
 import tempfile
 import time
 import warnings
-from dataclasses import fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +68,7 @@ def log_attempt(cfg, row, tables, clustering) -> str:
     mlflow_run_id = run.info.run_id
     try:
         now = int(time.time() * 1000)
-        params = {spec.name: getattr(cfg, spec.name) for spec in fields(AlgorithmParams)}
+        params = asdict(AlgorithmParams.of(cfg))
         params.update(k=row.k, identity_mode=row.identity_mode, label_mode=row.label_mode)
         figures = {name: getattr(row, name) for name in ("n_input", "n_labelled", "n_quarantined", "n_devices")}
         figures.update(n_local_centers=row.n_local_centers, cost=row.cost, ari=row.ari, truth_cost=row.truth_cost)
