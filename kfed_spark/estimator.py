@@ -114,6 +114,15 @@ class _KFedParams(Params):
         typeConverter=TypeConverters.toFloat,
     )
 
+    minCenterPoints: Param[int] = Param(
+        Params._dummy(),
+        "minCenterPoints",
+        "fewest rows a local center must stand for to leave its device: a center of fewer is never shared"
+        " or published, its rows take the device's nearest shared center, or with none left the nearest "
+        "global center.",
+        typeConverter=TypeConverters.toInt,
+    )
+
     localRestarts: Param[int] = Param(
         Params._dummy(),
         "localRestarts",
@@ -238,6 +247,7 @@ class _KFedParams(Params):
             kPerDeviceMax=16,
             seeding="kmeanspp",
             robustMinSize=0.25,
+            minCenterPoints=3,
             localRestarts=3,
             serverRefine="lloyd",
             serverStep="auto",
@@ -273,6 +283,9 @@ class _KFedParams(Params):
 
     def getRobustMinSize(self) -> float:
         return self.getOrDefault(self.robustMinSize)
+
+    def getMinCenterPoints(self) -> int:
+        return self.getOrDefault(self.minCenterPoints)
 
     def getLocalRestarts(self) -> int:
         return self.getOrDefault(self.localRestarts)
@@ -353,6 +366,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         kPerDeviceMax: int = 16,
         seeding: str = "kmeanspp",
         robustMinSize: float = 0.25,
+        minCenterPoints: int = 3,
         localRestarts: int = 3,
         serverRefine: str = "lloyd",
         serverStep: str = "auto",
@@ -385,6 +399,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         kPerDeviceMax: int = 16,
         seeding: str = "kmeanspp",
         robustMinSize: float = 0.25,
+        minCenterPoints: int = 3,
         localRestarts: int = 3,
         serverRefine: str = "lloyd",
         serverStep: str = "auto",
@@ -432,6 +447,9 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
 
     def setRobustMinSize(self, value: float) -> KFed:
         return self._set(robustMinSize=value)
+
+    def setMinCenterPoints(self, value: int) -> KFed:
+        return self._set(minCenterPoints=value)
 
     def setLocalRestarts(self, value: int) -> KFed:
         return self._set(localRestarts=value)

@@ -207,7 +207,8 @@ def fit_checked(
         dim,
         local,
         server,
-        local.label_model(server.assignment, server.centers, cfg.label_mode),
+        # a device whose local centers were all too small to share (min_center_points): as an unseen one
+        local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True),
         np.arange(len(server.centers)),
         chosen,
     )

@@ -310,6 +310,16 @@ def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: Algorith
     return LocalClustering(centers[keep] + origin, mass[keep].astype(np.int64), sse[keep])
 
 
+def shared_centers(result: LocalClustering, min_points: int) -> LocalClustering:
+    """The local centers a device may share: those standing for at least min_points rows. A center of
+    fewer is (nearly) the rows themselves; its rows are labelled by the device's nearest shared center,
+    or, with none left, as an unseen device's rows are (LabelModel.label_unseen)."""
+    keep = result.counts >= min_points
+    if keep.all():
+        return result
+    return LocalClustering(result.centers[keep], result.counts[keep], result.sse[keep])
+
+
 def rough_centers(
     projected: np.ndarray, weights: np.ndarray, k: int, restarts: int, rng: np.random.Generator
 ) -> np.ndarray:
@@ -692,7 +702,8 @@ def between_sse(
 def too_few_distinct(k: int, distinct: int) -> ValueError:
     """The error of a server step asked for more clusters than there are distinct local centers."""
     return ValueError(
-        f"k = {k} is more than the {distinct} distinct local centers the devices provide; lower k or raise k_per_device"
+        f"k = {k} is more than the {distinct} distinct local centers the devices share; lower k, raise k_per_device "
+        "or lower min_center_points"
     )
 
 
@@ -871,7 +882,8 @@ def local_clusterings(x: np.ndarray, devices: np.ndarray, params: AlgorithmParam
             if params.k_per_device == "auto"
             else params.k_per_device
         )
-        results.append(local_step(rows, k_z, device_rng(params.seed, plain(key)), params))
+        found = local_step(rows, k_z, device_rng(params.seed, plain(key)), params)
+        results.append(shared_centers(found, params.min_center_points))
     per_device = np.array([len(r.counts) for r in results])
     return DeviceClusterings(
         np.repeat(keys, per_device),
@@ -899,8 +911,8 @@ def federated_kmeans(
     """
     local = local or local_clusterings(x, devices, params)
     server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
-    model = LabelModel.build(
-        local.devices, local.local_ids, local.centers, server.assignment, server.centers, params.label_mode
+    model = LabelModel.build(  # a device whose every local center was too small to share: as an unseen one
+        local.devices, local.local_ids, local.centers, server.assignment, server.centers, params.label_mode, True
     )
     local_labels = np.empty(len(x), dtype=np.int64)
     labels = np.empty(len(x), dtype=np.int64)

@@ -111,6 +111,12 @@ class AlgorithmParams:
         "outlier filter of the server step: local centers backed by fewer rows than this "
         "times the median center's are left out of seeding and refinement and assigned at the end; 0 turns it off",
     )
+    min_center_points: int = param(
+        3,
+        integer(1),
+        "fewest rows a local center must stand for to leave its device: a center of fewer is never shared or "
+        "published, its rows take the device's nearest shared center, or with none left the nearest global center",
+    )
     local_restarts: int = param(
         3, integer(1), "rough clusterings each device tries in its projection (alg. 1); it keeps the lowest-cost one"
     )

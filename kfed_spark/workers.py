@@ -23,6 +23,7 @@ from kfed_spark.kernels import (
     representatives,
     row_hashes,
     scale_counts,
+    shared_centers,
     smallest_hashes,
 )
 from kfed_spark.params import AlgorithmParams
@@ -169,9 +170,9 @@ def _cluster(device: object, k: int, x: np.ndarray, seen: int, spec: LocalStepSp
     if spec.k_source == "auto":
         k = estimate_local_k(x, spec.k)
     result = local_step(x, k, device_rng(spec.params.seed, device), spec.params)
-    if seen == len(x):
-        return result
-    return LocalClustering(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
+    if seen != len(x):  # clustered on a sample: the counts and SSE of all its rows
+        result = LocalClustering(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
+    return shared_centers(result, spec.params.min_center_points)
 
 
 class _LocalCenterRows:

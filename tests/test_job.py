@@ -255,7 +255,8 @@ def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
         (["input.features_col=device_id"], "feature column 'device_id' has type bigint"),
         (
             ["k=9000", "k_per_device=3"],
-            "k = 9000 is more than the 180 distinct local centers the devices provide; lower k or raise k_per_device",
+            "k = 9000 is more than the 180 distinct local centers the devices share; lower k, raise k_per_device "
+            "or lower min_center_points",
         ),
     ],
 )

@@ -416,3 +416,25 @@ def test_max_iter_bounds_the_server_step_too():
         params = AlgorithmParams(k=4, k_per_device=4, seed=0, max_iter=max_iter, tol=0.0)
         result = federated_kmeans(x, devices, params)
         assert result.server.refine_iterations <= max_iter
+
+
+def test_no_local_center_of_fewer_than_min_center_points_rows_leaves_its_device():
+    """A far row of its own on a device, a device of one row and one of two distinct rows: none of their
+    centers is shared; every row still gets a global cluster, a held-back row its device's nearest shared
+    center, a device with none left the nearest global center (local cluster -1)."""
+    rng = np.random.default_rng(7)
+    means = np.array([[0.0, 0.0], [20.0, 0.0]])
+    big = np.concatenate([means[0] + rng.standard_normal((30, 2)), means[1] + rng.standard_normal((30, 2))])
+    lone = np.array([[10.0, 30.0]])  # far from both clusters: the big device's third local cluster, of one row
+    x = np.concatenate([big, lone, [[0.5, 0.5]], [[19.0, 1.0], [21.0, -1.0]]])
+    devices = np.array([0] * 61 + [1] + [2, 2])
+    params = AlgorithmParams(k=2, k_per_device=3, min_center_points=3)
+    local = kernels.local_clusterings(x, devices, params)
+    assert local.counts.min() >= 3 and set(local.devices) == {0} and local.counts.sum() == 60
+    result = kernels.federated_kmeans(x, devices, params)
+    assert len(result.labels) == len(x) and (result.labels >= 0).all()
+    assert list(result.local_labels[61:]) == [-1, -1, -1]  # devices 1 and 2 share nothing
+    assert result.labels[61] == result.labels[0] and result.labels[62] == result.labels[30]  # nearest global
+    assert result.local_labels[60] in set(result.local_labels[:60])  # the lone row: a shared center of its device
+    everything = kernels.local_clusterings(x, devices, AlgorithmParams(k=2, k_per_device=3, min_center_points=1))
+    assert everything.counts.min() == 1 and len(everything.counts) == 3 + 1 + 2  # 1 shares what it has

@@ -50,7 +50,8 @@ def test_five_thousand_features_take_the_randomized_svd_path():
 def test_tiny_devices_and_identical_rows():
     x = np.array([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [10.0, 10.0], [10.0, 0.0], [0.0, 10.1], [10.0, 10.1]])
     devices = np.array(["same", "same", "same", "one", "two", "two", "three"])
-    result = federated_kmeans(x, devices, AlgorithmParams(k=4, k_per_device=3, seed=0))
+    # min_center_points 1: a device may share its rows themselves (the paper's reference code does)
+    result = federated_kmeans(x, devices, AlgorithmParams(k=4, k_per_device=3, seed=0, min_center_points=1))
     assert len(result.labels) == 7 and len(np.unique(result.labels)) == 4
     same = local_step(x[:3], 3, device_rng(0, "same"))
     np.testing.assert_array_equal(same.centers, [[0.0, 0.0]])

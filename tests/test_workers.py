@@ -147,7 +147,10 @@ def test_rows_with_a_reason_or_non_finite_values_pass_through_unlabelled():
 def test_local_step_skips_non_finite_rows():
     x = np.array([[0.0], [np.nan], [10.0], [np.inf]])
     spec = LocalStepSpec(
-        k=2, params=AlgorithmParams(k=2, max_iter=10, tol=0.0, max_rows_per_device=100), dim=1, device_type=pa.int64()
+        k=2,
+        params=AlgorithmParams(k=2, max_iter=10, tol=0.0, max_rows_per_device=100, min_center_points=1),
+        dim=1,
+        device_type=pa.int64(),
     )
     out = pa.Table.from_batches(list(local_centers_from_batches(iter([rows_batch([1, 1, 1, 1], x)]), spec)))
     assert out.column("center").to_pylist() == [[0.0], [10.0]]
