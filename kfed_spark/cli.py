@@ -419,7 +419,7 @@ def command_bench(args: argparse.Namespace) -> int:
 
 
 def command_bench_quality(args: argparse.Namespace) -> int:
-    from kfed_spark.bench.quality import PROBLEMS, bench_quality, markdown
+    from kfed_spark.bench.quality import PROBLEMS, bench_quality
 
     names = list(PROBLEMS) if args.datasets is None else comma_list(args.datasets)
     if not names or set(names) - set(PROBLEMS):
@@ -428,8 +428,8 @@ def command_bench_quality(args: argparse.Namespace) -> int:
     spark = quiet_local_session("kfed-spark-quality")
     command = command_line("bench-quality")
     out = Path(args.out).resolve()
-    rows = bench_quality(spark, names, out, args.data_dir, args.max_devices, args.seed, command)
-    print(markdown(rows, command))
+    bench_quality(spark, names, out, args.data_dir, args.max_devices, args.seed, command)
+    print((out / "quality.md").read_text(), end="")
     print(f"report: {out / 'quality.md'} and {out / 'quality.json'}")
     return 0
 
@@ -573,7 +573,7 @@ def command_assign(args: argparse.Namespace) -> int:
         args,
         result,
         f"run {result.run_id} (model of {result.parent_run_id}): {result.n_labelled} rows labelled, "
-        f"{result.n_quarantined} quarantined, {result.n_devices} devices in the model; "
+        f"{result.n_quarantined} quarantined, {result.n_devices} devices; "
         f"tables under {result.output_path}",
     )
     return 0

@@ -191,6 +191,11 @@ def fit_checked(
     finally:
         if cfg.server_step != "driver":
             frame.unpersist()
+    if server is None and not valid.isEmpty():
+        raise InputError(
+            f"no device has a local cluster of at least min_center_points = {cfg.min_center_points} rows, so no "
+            "local center can be shared; lower min_center_points"
+        )
     if server is None:
         raise InputError(f"no row of the input can be clustered (all {checked.count()} rows are bad; see quarantine)")
     log.info(

@@ -79,8 +79,10 @@ class RunResult:
     n_input: int
     n_labelled: int
     n_quarantined: int
-    n_devices: int
+    n_devices: int  # devices with labelled rows
     n_local_centers: int
+    n_rows_held_back: int | None  # a fitted run's (min_center_points); None for a run that takes a model
+    n_devices_held_back: int | None
     dim: int
     cost: float
     ari: float | None
@@ -444,6 +446,8 @@ def run_result(
     timer: StageTimer,
 ) -> RunResult:
     evaluation = counted.evaluation
+    n_devices = evaluation.device_clusters.index.get_level_values(0).nunique()
+    fitted = parent_run_id is None
     return RunResult(
         run_id=attempt.run_id,
         attempt_id=attempt.attempt_id,
@@ -451,8 +455,10 @@ def run_result(
         n_input=counted.n_input,
         n_labelled=counted.n_labelled,
         n_quarantined=counted.n_quarantined,
-        n_devices=len(np.unique(clustering.local.devices)),
+        n_devices=n_devices,
         n_local_centers=len(clustering.local.counts),
+        n_rows_held_back=counted.n_labelled - int(clustering.local.counts.sum()) if fitted else None,
+        n_devices_held_back=n_devices - len(np.unique(clustering.local.devices)) if fitted else None,
         dim=clustering.dim,
         cost=counted.cost,
         ari=None if evaluation.cells is None else ari_of(evaluation.cells),
@@ -566,6 +572,7 @@ def attempt_row(
             "label_mode": cfg.label_mode,
             "local_restarts": cfg.local_restarts,
             "robust_min_size": float(cfg.robust_min_size),
+            "min_center_points": cfg.min_center_points,
             "timings": {},
             "config": json.dumps(as_dict(cfg), sort_keys=True),
             "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},
@@ -580,6 +587,8 @@ RESULT_COLUMNS = (
     "n_quarantined",
     "n_devices",
     "n_local_centers",
+    "n_rows_held_back",
+    "n_devices_held_back",
     "cost",
     "ari",
     "truth_cost",

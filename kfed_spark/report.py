@@ -361,7 +361,16 @@ def _lines(report: dict) -> list[tuple[str, str]]:
         ("run", f"{report['run_id']} (attempt {report['attempt_id']})"),
         ("input", str(report["input"])),
         ("rows", f"{report['n_input']} in, {report['n_labelled']} labelled, {report['n_quarantined']} quarantined"),
-        ("devices", f"{report['n_devices']} devices, {report['n_local_centers']} local centers"),
+        (
+            "devices",
+            f"{report['n_devices']} devices, {report['n_local_centers']} local centers"
+            + (  # a fitted run's, from this version on
+                f" ({report['n_rows_held_back']} rows of {report['n_devices_held_back']} devices held back: "
+                f"local clusters under {report['min_center_points']} rows)"
+                if report.get("n_rows_held_back")
+                else ""
+            ),
+        ),
         (
             "settings",
             f"k = {report['k']}, k_per_device = {report['k_per_device']}, "

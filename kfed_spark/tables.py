@@ -105,6 +105,11 @@ COLUMN_COMMENTS = {
     "n_quarantined": "rows written to quarantine",
     "n_devices": "devices",
     "n_local_centers": "local centers the devices shared",
+    "min_center_points": "fewest rows a shared local center stands for; null in rows of older versions",
+    "n_rows_held_back": "rows of local clusters too small to share (min_center_points), labelled through the "
+    "device's nearest shared center or the nearest global one; null for a run that takes a model",
+    "n_devices_held_back": "devices that shared no local center: their rows took the nearest global center; null "
+    "for a run that takes a model",
     "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
     "ari": "adjusted Rand index against the truth column, if the input has one",
     "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
@@ -320,6 +325,9 @@ class RunRecord:
     k_sweep: list[tuple] | None = _column(ArrayType(K_SWEEP_TYPE, False))
     mlflow_run_id: str | None = _column(StringType())
     tracking_error: str | None = _column(StringType())
+    min_center_points: int | None = _column(IntegerType())
+    n_rows_held_back: int | None = _column(LongType())
+    n_devices_held_back: int | None = _column(LongType())
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> RunRecord:

@@ -71,7 +71,13 @@ def log_attempt(cfg, row, tables, clustering) -> str:
         params = asdict(AlgorithmParams.of(cfg))
         params.update(k=row.k, identity_mode=row.identity_mode, label_mode=row.label_mode)
         figures = {name: getattr(row, name) for name in ("n_input", "n_labelled", "n_quarantined", "n_devices")}
-        figures.update(n_local_centers=row.n_local_centers, cost=row.cost, ari=row.ari, truth_cost=row.truth_cost)
+        figures.update(
+            n_local_centers=row.n_local_centers,
+            n_rows_held_back=row.n_rows_held_back,
+            cost=row.cost,
+            ari=row.ari,
+            truth_cost=row.truth_cost,
+        )
         figures.update({f"seconds_{stage}": seconds for stage, seconds in (row.timings or {}).items()})
         client.log_batch(
             mlflow_run_id,

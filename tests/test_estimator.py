@@ -114,7 +114,7 @@ def test_bad_rows_get_no_prediction_and_are_not_dropped(spark):
         [(1, "a", [0.0]), (2, "a", [10.0]), (3, "b", [0.2]), (4, "b", [9.8]), (5, "b", [float("nan")])],
         "row_id long, device_id string, features array<double>",
     )
-    out = by_row(KFed(k=2, kPerDevice=2).fit(rows).transform(rows), "prediction")
+    out = by_row(KFed(k=2, kPerDevice=2, minCenterPoints=1).fit(rows).transform(rows), "prediction")
     assert len(out) == 5 and out.prediction.isna().tolist() == [False, False, False, False, True]
     assert out.prediction[1] == out.prediction[3] != out.prediction[2]
 

@@ -104,6 +104,8 @@ def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(sp
                 "--set",
                 "k=2",
                 "--set",
+                "min_center_points=1",  # devices of two rows: each shares its rows themselves
+                "--set",
                 "run_id=v",
             ]
         )
@@ -129,7 +131,9 @@ def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(sp
         "Spark ML vector"
         in spark.sql(f"DESCRIBE delta.`{tmp_path / 'out' / 'labels'}`").filter("col_name = 'features'").first().comment
     )
-    predicted = KFed(k=2, kPerDevice=2, seed=0).fit(frame).transform(frame).toPandas().set_index("row_id")
+    predicted = (
+        KFed(k=2, kPerDevice=2, seed=0, minCenterPoints=1).fit(frame).transform(frame).toPandas().set_index("row_id")
+    )
     assert predicted.prediction[[5, 6, 7]].isna().all() and predicted.prediction[[1, 2, 3, 4]].notna().all()
 
 
@@ -177,6 +181,8 @@ def test_null_values_inside_features_are_quarantined(spark, tmp_path):
                 f"output.path={tmp_path / 'out'}",
                 "--set",
                 "k=2",
+                "--set",
+                "min_center_points=1",  # devices of two rows: each shares its rows themselves
                 "--set",
                 "run_id=r",
             ]

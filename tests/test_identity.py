@@ -188,7 +188,7 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
 
 @pytest.mark.spark
 def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, config_after_first_run, tmp_path):
-    """The previous releases wrote runs without the identity, k sweep and tracking columns, labels without
+    """The previous releases wrote runs without the identity, k sweep, tracking and held-back columns, labels without
     distance and margin, and no cluster_changes (made here from a run of this one): the next run adds them
     before any work and matches its clusters to the old run's, whose ids were 0..k-1."""
     config, out = config_after_first_run, tmp_path / "out"
@@ -198,6 +198,7 @@ def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, 
             [
                 *("identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id", "k_range"),
                 *("k_sweep", "mlflow_run_id", "tracking_error"),
+                *("min_center_points", "n_rows_held_back", "n_devices_held_back"),
             ],
         ),
         ("labels", ["distance", "margin"]),

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -23,7 +24,7 @@ from helpers import (
 from kfed_spark.bench import synthetic
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.cli import main
-from kfed_spark.kernels import federated_kmeans
+from kfed_spark.kernels import federated_kmeans, local_clusterings
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.tables import TABLES
@@ -215,6 +216,8 @@ def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
                 "--set",
                 "k=2",
                 "--set",
+                "min_center_points=1",  # devices of two rows: each shares its rows themselves
+                "--set",
                 "k_per_device=2",
                 "--set",
                 "run_id=dirty",
@@ -258,6 +261,11 @@ def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
             "k = 9000 is more than the 180 distinct local centers the devices share; lower k, raise k_per_device "
             "or lower min_center_points",
         ),
+        (
+            ["min_center_points=1000"],
+            "no device has a local cluster of at least min_center_points = 1000 rows, so no local center can be "
+            "shared; lower min_center_points",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_error(spark, config, capsys, overrides, message):
@@ -265,6 +273,41 @@ def test_bad_input_gives_one_line_error(spark, config, capsys, overrides, messag
     err = capsys.readouterr().err.strip()
     assert err.startswith("kfed-spark: error: ") and "\n" not in err
     assert message in err
+
+
+@pytest.mark.spark
+def test_no_published_local_center_stands_for_fewer_than_min_center_points_rows(spark, tmp_path):
+    """Devices of one row and of two, a lone far row on a big device, a bad row: with the default
+    min_center_points (3) none of their centers is published and every row is still labelled or
+    quarantined; the runs row counts what was held back, as the numpy kernel does. The same input with
+    min_center_points 1 publishes them (the paper's reference code shares a device's rows themselves)."""
+    rng = np.random.default_rng(11)
+    means = [(0.0, 0.0), (20.0, 0.0), (0.0, 20.0)]
+    big = [np.concatenate([rng.normal(mean, 1.0, (20, 2)) for mean in means]) for _ in range(4)]
+    big[0] = np.concatenate([big[0], [[40.0, 40.0]]])  # far from every cluster: a local cluster of one row
+    x = np.concatenate([*big, [[0.5, 0.5]], [[19.0, 1.0], [21.0, -1.0]], [[np.nan, 0.0]]])
+    devices = np.array(["d0"] * 61 + ["d1"] * 60 + ["d2"] * 60 + ["d3"] * 60 + ["one", "two", "two", "d1"])
+    table = pa.table({"row_id": np.arange(len(x)), "device_id": devices, "features": features_array(x)})
+    write_parquet_folder(table, tmp_path / "tiny")
+    common = [f"input.path={tmp_path / 'tiny'}", f"output.path={tmp_path / 'out'}", "k=3", "k_per_device=3"]
+    assert run_cli(write_empty_config(tmp_path), *common, "run_id=default") == 0
+    assert run_cli(write_empty_config(tmp_path), *common, "run_id=everything", "min_center_points=1") == 0
+
+    local = published(spark, tmp_path / "out", "local_centers").toPandas()
+    shared = local[local.run_id == "default"]
+    assert shared.n_points.min() >= 3 and set(shared.device_id) == {"d0", "d1", "d2", "d3"}
+    assert local[local.run_id == "everything"].n_points.min() == 1
+    labels = by_row(labels_of(spark, tmp_path / "out", "default"), "device_id", "cluster_id", "local_cluster_id")
+    quarantine = published(spark, tmp_path / "out", "quarantine").filter("run_id = 'default'").toPandas()
+    assert sorted([*labels.index, *quarantine.row_id]) == list(range(len(x)))
+    assert labels.local_cluster_id[labels.device_id.isin(["one", "two"])].isna().all()  # no local center
+    assert labels.cluster_id[241] == labels.cluster_id[0] and labels.cluster_id[242] == labels.cluster_id[20]
+    kernel = local_clusterings(x[:-1], devices[:-1], AlgorithmParams(k=3, k_per_device=3))
+    runs = {run.run_id: run for run in runs_of(spark, tmp_path / "out")}
+    default = runs["default"]
+    assert (default.min_center_points, default.n_devices, default.n_devices_held_back) == (3, 6, 2)
+    assert default.n_rows_held_back == len(x) - 1 - kernel.counts.sum() >= 3
+    assert (runs["everything"].n_rows_held_back, runs["everything"].n_devices_held_back) == (0, 0)
 
 
 @pytest.mark.fast

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import needs_shared_data
-from kfed_spark.bench.quality import WARM_START
+from kfed_spark.bench.quality import SHARE_ALL, WARM_START
 from kfed_spark.cli import main
 
 
@@ -21,21 +21,26 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
     assert {row["dataset"] for row in rows} == {"mixture", "mixture-outliers"}
     methods = {row["method"] for row in rows}
     assert "Spark MLlib KMeans (k-means||)" in methods and "scikit-learn KMeans (k-means++)" in methods
-    assert sum(1 for row in rows if row["dataset"] == "mixture") == 28  # 24 combinations, auto, warm, MLlib, sklearn
+    # 24 combinations, auto, warm, sharing every local center, MLlib, scikit-learn
+    assert sum(1 for row in rows if row["dataset"] == "mixture") == 29
     for row in rows:
         assert -1.0 <= row["ari"] <= 1.0 and 0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0
     outliers = {
         row["method"]: row for row in rows if row["dataset"] == "mixture-outliers" and row["k_per_device"] == "4"
     }
-    # Outlier devices take farthest-point seeds; the filter leaves them out, with either seeding rule.
-    for rule in ("farthest", "kmeanspp"):
-        assert outliers[f"k-FED restarts=1 filter=0.25 seeding={rule} labels=induced"]["ari"] >= 0.95
-    assert outliers["k-FED restarts=1 filter=0 seeding=farthest labels=induced"]["ari"] < 0.8
+    # The outlier devices' rows (3 each) are held back by min_center_points: no setting is misled by them, and
+    # when every local center is shared the outlier filter leaves them out (kernels' test: they would seed).
+    assert min(row["ari"] for row in outliers.values()) >= 0.95 and outliers[SHARE_ALL]["ari"] >= 0.95
+    support = {s["dataset"]: s for s in json.loads((out / "support.json").read_text())}
+    assert (support["mixture-outliers"]["rows_held_back"], support["mixture-outliers"]["devices_held_back"]) == (30, 10)
+    assert (
+        support["mixture"]["rows_held_back"] == 0 and support["mixture"]["ari"] == support["mixture"]["ari_sharing_all"]
+    )
     for dataset in ("mixture", "mixture-outliers"):  # a warm start is no worse than cold seeding
         ari = {row["method"]: row["ari"] for row in rows if row["dataset"] == dataset}
         assert ari[WARM_START] >= ari["k-FED restarts=3 filter=0.25 seeding=kmeanspp labels=induced (default)"] - 0.005
     markdown = (out / "quality.md").read_text()
-    assert markdown.count("\n| mixture |") == 28 + 1 and "| dataset | method |" in markdown  # and the k choice
+    assert markdown.count("\n| mixture |") == 29 + 2 and "| dataset | method |" in markdown  # and k, support
     assert "| combination | mixture | mixture-outliers | largest shortfall from the best |" in markdown
     assert "(default)" in markdown and "Smallest largest shortfall: k-FED " in markdown
     choices = {c["dataset"]: c for c in json.loads((out / "k_choice.json").read_text())}
@@ -49,7 +54,7 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
 @needs_shared_data
 def test_bench_quality_on_a_real_slice(spark, tmp_path):
     rows = bench_quality_rows(tmp_path / "quality", "mnist")
-    assert len(rows) == 28 and all(0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0 for row in rows)
+    assert len(rows) == 29 and all(0.0 <= row["nmi"] <= 1.0 and row["cost_ratio"] > 0 for row in rows)
 
 
 @pytest.mark.fast

@@ -35,6 +35,7 @@ def test_on_bad_rows_fail_names_reasons_and_counts_and_publishes_nothing(spark, 
         f"output.path={tmp_path / 'out'}",
         "k=2",
         "k_per_device=2",
+        "min_center_points=1",  # devices of two good rows: each shares its rows themselves
         "on_bad_rows=fail",
     ]:
         args += ["--set", item]

@@ -56,16 +56,16 @@ COMBINATIONS = list(itertools.product(RESTARTS_TRIED, FILTERS_TRIED, SEEDING_RUL
 all with server_refine=lloyd."""
 
 
+SHARE_ALL = "k-FED defaults, min_center_points=1 (every local center shared, as in the paper)"
+
 WARM_START = "k-FED defaults, warm-started from the centers of a run with another seed (identity.warm_start)"
 
 
+DEFAULT_COMBINATION = (DEFAULTS.local_restarts, DEFAULTS.robust_min_size, DEFAULTS.seeding, DEFAULTS.label_mode)
+
+
 def combination_name(restarts: int, min_size: float, seeding: str, label_mode: str) -> str:
-    default = (restarts, min_size, seeding, label_mode) == (
-        DEFAULTS.local_restarts,
-        DEFAULTS.robust_min_size,
-        DEFAULTS.seeding,
-        DEFAULTS.label_mode,
-    )
+    default = (restarts, min_size, seeding, label_mode) == DEFAULT_COMBINATION
     return f"k-FED restarts={restarts} filter={min_size:g} seeding={seeding} labels={label_mode}" + (
         " (default)" if default else ""
     )
@@ -82,6 +82,24 @@ class QualityRow:
     cost: float
     cost_ratio: float  # cost / scikit-learn's cost on the same rows
     seconds: float
+
+
+@dataclass
+class SupportRow:
+    """What the default min_center_points holds back on a dataset (the default settings' local step), against
+    sharing every local center: the quality cost of minimum support."""
+
+    dataset: str
+    rows: int
+    rows_held_back: int
+    devices: int
+    devices_held_back: int
+    centers: int  # every local center, min_center_points 1
+    centers_held_back: int
+    ari: float  # the default settings'
+    ari_sharing_all: float
+    cost_ratio: float
+    cost_ratio_sharing_all: float
 
 
 @dataclass
@@ -167,7 +185,7 @@ def with_outlier_devices(table: pa.Table, devices: np.ndarray, seed: int) -> tup
     return joined, np.concatenate([devices, new_devices])
 
 
-def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[QualityRow], KChoiceRow]:
+def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[QualityRow], KChoiceRow, SupportRow]:
     rows: list[QualityRow] = []
 
     def add(method: str, k_per_device: str, labels: np.ndarray, seconds: float) -> None:
@@ -194,6 +212,7 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[Qua
         local_seconds = time.perf_counter() - start
         if restarts == DEFAULTS.local_restarts:
             choice = k_choice(problem, local, dataclasses.replace(local_params, k=2))
+            default_local = local
         for _, min_size, seeding, label_mode in (c for c in COMBINATIONS if c[0] == restarts):
             start = time.perf_counter()
             params = AlgorithmParams(
@@ -223,12 +242,33 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[Qua
     start = time.perf_counter()
     warm = federated_kmeans(problem.x, problem.devices, params, initial=yesterday.server.centers)
     add(WARM_START, str(k_z), warm.labels, time.perf_counter() - start)
+    start = time.perf_counter()
+    every_params = dataclasses.replace(params, min_center_points=1)
+    every_local = local_clusterings(problem.x, problem.devices, every_params)
+    every = federated_kmeans(problem.x, problem.devices, every_params, every_local)
+    add(SHARE_ALL, str(k_z), every.labels, time.perf_counter() - start)
     add("Spark MLlib KMeans (k-means||)", "-", *mllib_labels(spark, problem, seed, folder))
     add("scikit-learn KMeans (k-means++)", "-", *sklearn_labels(problem, seed))
     reference = rows[-1].cost
     for row in rows:
         row.cost_ratio = row.cost / reference if reference else float("nan")
-    return rows, choice
+    by_method = {row.method: row for row in rows}
+    default, sharing_all = by_method[combination_name(*DEFAULT_COMBINATION)], by_method[SHARE_ALL]
+    n_devices = len(np.unique(problem.devices))
+    support = SupportRow(
+        problem.name,
+        len(problem.x),
+        len(problem.x) - int(default_local.counts.sum()),
+        n_devices,
+        n_devices - len(np.unique(default_local.devices)),
+        len(every_local.counts),
+        len(every_local.counts) - len(default_local.counts),
+        default.ari,
+        sharing_all.ari,
+        default.cost_ratio,
+        sharing_all.cost_ratio,
+    )
+    return rows, choice, support
 
 
 def mllib_labels(spark, problem: Problem, seed: int, folder: Path) -> tuple[np.ndarray, float]:
@@ -274,7 +314,9 @@ def combination_summary(rows: list[QualityRow]) -> tuple[list[str], str]:
     return lines, min(names, key=lambda n: shortfall[n])
 
 
-def markdown(rows: list[QualityRow], command: str, choices: list[KChoiceRow] = ()) -> str:
+def markdown(
+    rows: list[QualityRow], command: str, choices: list[KChoiceRow] = (), supports: list[SupportRow] = ()
+) -> str:
     summary, most_even = combination_summary(rows)
     lines = [
         f"`{command}`: ARI of every k-FED combination (local restarts, outlier filter robust_min_size, seeding "
@@ -308,6 +350,22 @@ def markdown(rows: list[QualityRow], command: str, choices: list[KChoiceRow] = (
             f"{'-' if c.noise_ratio_k is None else c.noise_ratio_k} | {c.seconds:.1f} |"
             for c in choices
         ]
+    if supports:
+        lines += [
+            "",
+            f"Minimum support: what min_center_points = {DEFAULTS.min_center_points} holds back with the default "
+            "settings, and their ARI and cost ratio against sharing every local center (min_center_points = 1)",
+            "",
+            "| dataset | rows held back | devices sharing nothing | local centers held back | ARI | ARI sharing all "
+            "| cost ratio | cost ratio sharing all |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {s.dataset} | {s.rows_held_back:,} of {s.rows:,} | {s.devices_held_back:,} of {s.devices:,} | "
+            f"{s.centers_held_back:,} of {s.centers:,} | {s.ari:.3f} | {s.ari_sharing_all:.3f} | {s.cost_ratio:.3f} | "
+            f"{s.cost_ratio_sharing_all:.3f} |"
+            for s in supports
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -315,12 +373,14 @@ def bench_quality(
     spark, names: list[str], out: Path, data_dir: str | None, max_devices: int | None, seed: int, command: str
 ) -> list[QualityRow]:
     out.mkdir(parents=True, exist_ok=True)
-    rows, choices = [], []
+    rows, choices, supports = [], [], []
     for problem in problems(names, data_dir, max_devices, seed):
-        found, choice = evaluate(spark, problem, seed, out)
+        found, choice, support = evaluate(spark, problem, seed, out)
         rows += found
         choices.append(choice)
+        supports.append(support)
     (out / "quality.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     (out / "k_choice.json").write_text(json.dumps([asdict(c) for c in choices], indent=2))
-    (out / "quality.md").write_text(markdown(rows, command, choices))
+    (out / "support.json").write_text(json.dumps([asdict(s) for s in supports], indent=2))
+    (out / "quality.md").write_text(markdown(rows, command, choices, supports))
     return rows
