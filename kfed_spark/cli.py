@@ -1,6 +1,6 @@
 """The `kfed-spark` command: run, assign, stream, sql, maintain, report, choose-k, package, generate, prepare,
-demo, bench, bench-quality, bench-paper, bench-server. Each handler imports what its command needs: the parser alone
-imports no Spark and none of the benchmarks' tooling (kfed_spark.bench).
+demo, jvm-archive, bench, bench-quality, bench-paper, bench-server. Each handler imports what its command
+needs: the parser alone imports no Spark and none of the benchmarks' tooling (kfed_spark.bench).
 
 spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
 """
@@ -232,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="generate a small mixture, cluster it locally, print a summary")
     demo.add_argument("--folder", default=DEMO_FOLDER, help=f"where the demo writes (default ./{DEMO_FOLDER})")
     demo.set_defaults(handler=command_demo)
+
+    archive = commands.add_parser(
+        "jvm-archive",
+        help="write the JVM class archive that local Spark sessions of this installation start from (seconds "
+        "sooner; run it again after upgrading Java or Spark)",
+    )
+    archive.add_argument("--path", help="where to write it (default: $KFED_JVM_ARCHIVE, else the cache folder)")
+    archive.set_defaults(handler=command_jvm_archive)
 
     bench = commands.add_parser(
         "bench",
@@ -751,6 +759,20 @@ def command_prepare(args: argparse.Namespace) -> int:
         f"cluster it: kfed-spark run --config conf/local.yaml --set input.path={args.out} "
         f"--set input.truth_col=true_cluster --set k={clusters} --set k_per_device={k_per_device}"
     )
+    return 0
+
+
+def command_jvm_archive(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from kfed_spark.session import JVM_ARCHIVE_ENV, jvm_archive_file, write_jvm_archive
+
+    target = Path(args.path).resolve() if args.path else jvm_archive_file()
+    if target is None:
+        raise KFedError(f"{JVM_ARCHIVE_ENV} is 'none': give --path")
+    with tempfile.TemporaryDirectory(prefix="kfed-jvm-archive-") as work:
+        size = write_jvm_archive(target, Path(work))
+    print(f"JVM class archive: {target} ({size / 1e6:.0f} MB); local Spark sessions start from it")
     return 0
 
 

@@ -40,3 +40,30 @@ def test_python_workers_get_one_blas_thread(spark):
     names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
     seen = spark.sparkContext.parallelize([0], 1).map(lambda _: {n: os.environ.get(n) for n in names}).collect()
     assert seen == [{name: "1" for name in names}]
+
+
+@pytest.mark.fast
+def test_a_local_session_starts_from_the_class_archive_unless_told_otherwise(tmp_path, monkeypatch):
+    from kfed_spark.session import DRIVER_DEFAULT_JAVA_OPTIONS, JVM_ARCHIVE_ENV, with_jvm_archive
+
+    archive = tmp_path / "classes.jsa"
+    monkeypatch.setenv(JVM_ARCHIVE_ENV, str(archive))
+    assert with_jvm_archive({"spark.log.level": "WARN"}) == {"spark.log.level": "WARN"}  # none written yet
+    archive.write_bytes(b"")
+    options = with_jvm_archive({DRIVER_DEFAULT_JAVA_OPTIONS: "-Xss4m"})[DRIVER_DEFAULT_JAVA_OPTIONS]
+    assert options.startswith(f"-Xss4m -XX:SharedArchiveFile={archive} -Xshare:auto")
+    own = {"spark.driver.extraJavaOptions": "-XX:SharedArchiveFile=/elsewhere.jsa"}
+    assert with_jvm_archive(own) == own  # the config's own archive
+    monkeypatch.setenv(JVM_ARCHIVE_ENV, "none")
+    assert with_jvm_archive({}) == {}
+
+
+@pytest.mark.spark
+def test_the_tests_jvm_maps_the_class_archive(spark, jvm_archive):
+    """What `kfed-spark jvm-archive` is for: the JVM maps the archive's classes (jcmd's CDS line counts the
+    bytes mapped: the archive's and the JDK's own), it does not merely get the option."""
+    jvm = spark.sparkContext._jvm
+    pid = jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getPid()
+    info = subprocess.run(["jcmd", str(pid), "VM.info"], capture_output=True, text=True, check=True).stdout
+    mapped = next(line for line in info.splitlines() if line.startswith("CDS archive(s) mapped at"))
+    assert int(mapped.split("size ")[1].split(",")[0]) > jvm_archive.stat().st_size
