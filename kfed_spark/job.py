@@ -312,7 +312,9 @@ def apply_model(checked: DataFrame, dim: int, cfg: KFedConfig, parent: StoredMod
             valid, cfg, dim, LocalCenters.from_arrow(parent.local, dim), parent.assignment, parent.centers
         )
     server = ServerClustering(parent.centers, assignment, seed_device=None, refine_iterations=0)
-    model = local.label_model(assignment, parent.centers, cfg.label_mode, True, parent.cluster_ids)
+    model = local.label_model(
+        assignment, parent.centers, cfg.label_mode, label_unseen=True, cluster_ids=parent.cluster_ids
+    )
     return Clustering(checked, dim, local, server, model, parent.cluster_ids)
 
 

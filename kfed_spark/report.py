@@ -365,8 +365,8 @@ def _lines(report: dict) -> list[tuple[str, str]]:
             "devices",
             f"{report['n_devices']} devices, {report['n_local_centers']} local centers"
             + (  # a fitted run's, from this version on
-                f" ({report['n_rows_held_back']} rows of {report['n_devices_held_back']} devices held back: "
-                f"local clusters under {report['min_center_points']} rows)"
+                f" ({report['n_rows_held_back']} rows in local clusters under {report['min_center_points']} rows "
+                f"held back, {report['n_devices_held_back']} devices sharing no center)"
                 if report.get("n_rows_held_back")
                 else ""
             ),

@@ -186,6 +186,8 @@ def write_jvm_archive(target: Path, work: Path) -> int:
         f"{QUIET_ARCHIVE}".strip(),
     }
     command = [sys.executable, "-m", "kfed_spark.cli", "demo", "--folder", str(work)]
+    # The JVM writes the archive as it exits, after the demo's Python; it shares the demo's output pipes,
+    # so run() returns once the JVM is gone and the archive whole.
     demo = subprocess.run(command, env=env, capture_output=True, text=True)
     if demo.returncode != 0 or not partial.is_file():
         partial.unlink(missing_ok=True)
