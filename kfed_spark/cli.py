@@ -1,4 +1,4 @@
-"""The `kfed-spark` command: run, assign, stream, sql, maintain, report, choose-k, package, generate, prepare,
+"""The `kfed-spark` command: run, assign, stream, sql, maintain, forget, report, choose-k, package, generate, prepare,
 demo, jvm-archive, bench, bench-quality, bench-paper, bench-server. Each handler imports what its command
 needs: the parser alone imports no Spark and none of the benchmarks' tooling (kfed_spark.bench).
 
@@ -166,6 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="also abandon attempts still running after this long, on any host",
     )
     maintain.set_defaults(handler=command_maintain)
+
+    forget = commands.add_parser(
+        "forget",
+        parents=[located],
+        help="take devices out of published runs (an erasure request): each run that holds them gets a new "
+        "attempt without them, its server step run again over the other devices' local centers",
+    )
+    forget.add_argument(
+        "--device", dest="devices", action="append", required=True, metavar="ID", help="a device id (repeatable)"
+    )
+    runs = forget.add_mutually_exclusive_group(required=True)
+    runs.add_argument("--run", metavar="RUN_ID", help="forget them in this published run only")
+    runs.add_argument("--all-runs", action="store_true", help="forget them in every published run that holds them")
+    forget.set_defaults(handler=command_forget)
 
     report = commands.add_parser(
         "report", parents=[located], help="print the report of a run (its report.json, as text)"
@@ -705,6 +719,30 @@ def command_maintain(args: argparse.Namespace) -> int:
         f"{len(rows)} attempts under {tables.root}: "
         + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     )
+    return 0
+
+
+def command_forget(args: argparse.Namespace) -> int:
+    from kfed_spark.forget import forget
+
+    stop_on_sigterm()
+    tables = output_session(args)
+    if not tables.check_log("runs"):
+        raise KFedError(f"no kfed-spark tables under {tables.root}")
+    done = forget(tables, args.devices, None if args.all_runs else args.run)
+    if not done:
+        print(f"no published run under {tables.root} holds rows of {', '.join(args.devices)}: nothing to forget")
+    for run in done:
+        print(
+            f"run {run.run_id}: attempt {run.attempt_id} published without {run.n_devices} of the devices "
+            f"({run.n_rows_removed} rows removed; {run.k} clusters, {run.n_ids_kept} kept their ids); attempt "
+            f"{run.superseded_attempt_id} superseded and its rows deleted"
+        )
+    if done:
+        print(
+            "the deleted rows stay in the tables' Delta history until VACUUM removes their files after the "
+            "retention period (see the README's Erasure section)"
+        )
     return 0
 
 

@@ -172,11 +172,7 @@ def fit_checked(
         local = LocalCenters.from_arrow(frame.toArrow(), dim) if where == "driver" or cfg.k == "auto" else None
     chosen = None
     try:
-        if cfg.k == "auto" and len(local.counts):
-            with timer.stage("k_sweep"):
-                chosen = local.sweep(k_values(*cfg.k_range), AlgorithmParams.of(cfg))
-            log.info("k auto: the sweep of k = %d..%d recommends k = %d", *cfg.k_range, chosen.recommended_k)
-            cfg = dataclasses.replace(cfg, k=chosen.recommended_k)
+        cfg, chosen = choose_k(local, cfg, timer)
         params = AlgorithmParams.of(cfg)
         with timer.stage("server_step"):
             try:
@@ -217,6 +213,17 @@ def fit_checked(
         np.arange(len(server.centers)),
         chosen,
     )
+
+
+def choose_k(local: LocalCenters | None, cfg: KFedConfig, timer: StageTimer) -> tuple[KFedConfig, KSweep | None]:
+    """With k 'auto', the sweep over k_range (kfed_spark.k_sweep) and the config with the k it recommends;
+    else the config as it is and no sweep."""
+    if cfg.k != "auto" or not len(local.counts):
+        return cfg, None
+    with timer.stage("k_sweep"):
+        chosen = local.sweep(k_values(*cfg.k_range), AlgorithmParams.of(cfg))
+    log.info("k auto: the sweep of k = %d..%d recommends k = %d", *cfg.k_range, chosen.recommended_k)
+    return dataclasses.replace(cfg, k=chosen.recommended_k), chosen
 
 
 def merged_on_driver(

@@ -100,14 +100,7 @@ def match_clusters(current: ClusterSummary, reference: ClusterSummary, next_id: 
     origin = reference.centers.mean(axis=0)  # near the origin: accurate expanded distances (kernels' docstring)
     ours, theirs = current.centers - origin, reference.centers - origin
     shift = np.sqrt(squared_distances(ours, theirs))
-    pooled = np.sqrt(
-        np.divide(
-            current.sse[:, None] + reference.sse[None, :],
-            current.n_points[:, None] + reference.n_points[None, :],
-            out=np.zeros(shift.shape),
-            where=(current.n_points[:, None] + reference.n_points) > 0,
-        )
-    )
+    pooled = pooled_spread(current.sse[:, None], current.n_points[:, None], reference.sse[None, :], reference.n_points)
     gate = MATCH_SPREADS * pooled
     if len(theirs) > 1:
         between = np.sqrt(squared_distances(theirs, theirs))
@@ -132,6 +125,28 @@ def match_clusters(current: ClusterSummary, reference: ClusterSummary, next_id: 
     )
     retired = np.setdiff1d(np.arange(len(theirs)), cols)
     return Matching(ids, matched, retired, center_shift, relative_shift)
+
+
+def pooled_spread(sse: np.ndarray, n_points: np.ndarray, other_sse: np.ndarray, other_n: np.ndarray) -> np.ndarray:
+    """The root-mean-square distance of two clusters' rows to their centers, pooled (0 without rows); broadcasts."""
+    sse_sum, n_sum = np.broadcast_arrays(sse + other_sse, n_points + other_n)
+    return np.sqrt(np.divide(sse_sum, n_sum, out=np.zeros(sse_sum.shape), where=n_sum > 0))
+
+
+def matching_by_ids(current: ClusterSummary, reference: ClusterSummary) -> Matching:
+    """How clusters that already have their ids relate to a reference run's: a cluster is kept when the
+    reference has its id (the shifts measured to that cluster), new otherwise; reference ids no cluster
+    has are retired. For an attempt that kept its ids from an earlier attempt of its run (`forget`)."""
+    position = {int(i): j for j, i in enumerate(reference.ids)}
+    matched = np.array([position.get(int(i), -1) for i in current.ids], dtype=np.int64)
+    rows, cols = np.flatnonzero(matched >= 0), matched[matched >= 0]
+    center_shift = np.full(len(current.ids), np.nan)
+    relative_shift = np.full(len(current.ids), np.nan)
+    center_shift[rows] = np.linalg.norm(current.centers[rows] - reference.centers[cols], axis=1)
+    pooled = pooled_spread(current.sse[rows], current.n_points[rows], reference.sse[cols], reference.n_points[cols])
+    relative_shift[rows] = np.divide(center_shift[rows], pooled, out=np.zeros(len(rows)), where=pooled > 0)
+    retired = np.setdiff1d(np.arange(len(reference.ids)), cols)
+    return Matching(np.asarray(current.ids, dtype=np.int64), matched, retired, center_shift, relative_shift)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -148,7 +149,6 @@ def run(
         attempt, row = ledger.begin(row, known)
     # The reference run's clusters are read while the local step runs.
     reference_read = None if reference_row is None else in_background(reference_run, tables, reference_row)
-    writes: list[Future] = []
     try:
         faults.point("claimed")
         highest = highest_cluster_id(known, run_id)
@@ -168,20 +168,6 @@ def run(
         )
         if cfg.on_bad_rows == "fail":
             refuse_bad_rows(label_rows(clustering.checked, clustering.model, raw.schema, device_col, dim))
-        # The global and local centers are written while the labels are, the report while the other tables are.
-        writes.append(in_background(write_centers, tables, attempt, schemas, clustering))
-        with timer.stage("labels"):
-            counted, labelled = write_labels(tables, attempt, cfg, raw.schema, clustering)
-        evaluation = counted.evaluation
-        iid = report.iid_warning(
-            report.heterogeneity(evaluation.sample_x, evaluation.sample_devices, clustering.server.centers)
-        )
-        if iid:
-            log.warning("run %s: %s", run_id, iid)
-        result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
-        row = row.changed(**result_columns(result))
-        device_type = clustering.local.table.schema.field("device_id").type
-        profiles = device_clusters_table(counted.evaluation, device_type)
         local = clustering.local
         changes = (
             None
@@ -191,37 +177,28 @@ def run(
                 summary,
                 reference,
                 largest_share(local.devices, clustering.cluster_ids[clustering.server.assignment], local.counts),
-                device_type,
+                local.table.schema.field("device_id").type,
             )
         )
-        if cfg.report:
-            writes.append(
-                in_background(
-                    timed,
-                    timer,
-                    "report",
-                    write_run_report,
-                    tables,
-                    attempt,
-                    asdict(row),
-                    cfg,
-                    clustering,
-                    counted.evaluation,
-                    changes,
-                )
-            )
-        with timer.stage("other_tables"):
-            write_other_tables(tables, attempt, schemas, labelled, counted, profiles, changes)
-            for write in writes:
-                write.result()
-        if cfg.report:
-            faults.point("report")
+        result, row = write_attempt(
+            tables,
+            attempt,
+            row,
+            cfg,
+            raw.schema,
+            schemas,
+            clustering,
+            changes,
+            timer,
+            # a second labelling pass, only for dirty inputs
+            lambda labelled, counted: labelled.filter(F.col(REASON_COL).isNotNull()) if counted.n_quarantined else None,
+            parent_run_id,
+        )
         row = row.changed(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
         faults.point("before_publish")
         with timer.stage("publish"):  # in the RunResult only: the runs row is what it commits
             runs_now = ledger.publish(attempt, row)
     except BaseException as exc:
-        wait(writes)  # a commit landing after the failed attempt's rows are deleted would stay
         ledger.fail(row.changed(timings=dict(timer.seconds)), describe(exc) or f"{type(exc).__name__}: {exc}")
         raise
     faults.point("published")
@@ -284,6 +261,66 @@ def cluster_identity(
         len(matching.retired),
     )
     return matching, summary
+
+
+def write_attempt(
+    tables: OutputTables,
+    attempt: Attempt,
+    row: RunRecord,
+    cfg: KFedConfig,
+    raw_schema: StructType,
+    schemas: dict[str, StructType],
+    clustering: Clustering,
+    changes: pa.Table | None,
+    timer: StageTimer,
+    quarantined: Callable[[DataFrame, LabelledRows], DataFrame | None],
+    parent_run_id: str | None = None,
+) -> tuple[RunResult, RunRecord]:
+    """Append an attempt's rows to every table and write its report: the labels (the one pass over
+    clustering.checked, which also counts and gathers the evaluation), with the centers beside them, then
+    the device profiles, `changes` (cluster_changes rows, if any) and the rows quarantined(labelled, counted)
+    gives, with the report beside them. Returns the figures and `row` with them, ready to publish; what it
+    started in the background is finished (or failed) before it returns or raises."""
+    writes: list[Future] = []
+    try:
+        writes.append(in_background(write_centers, tables, attempt, schemas, clustering))
+        with timer.stage("labels"):
+            counted, labelled = write_labels(tables, attempt, cfg, raw_schema, clustering)
+        evaluation = counted.evaluation
+        iid = report.iid_warning(
+            report.heterogeneity(evaluation.sample_x, evaluation.sample_devices, clustering.server.centers)
+        )
+        if iid:
+            log.warning("run %s: %s", attempt.run_id, iid)
+        result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
+        row = row.changed(**result_columns(result))
+        profiles = device_clusters_table(evaluation, clustering.local.table.schema.field("device_id").type)
+        if cfg.report:
+            writes.append(
+                in_background(
+                    timed,
+                    timer,
+                    "report",
+                    write_run_report,
+                    tables,
+                    attempt,
+                    asdict(row),
+                    cfg,
+                    clustering,
+                    evaluation,
+                    changes,
+                )
+            )
+        with timer.stage("other_tables"):
+            write_other_tables(tables, attempt, schemas, profiles, changes, quarantined(labelled, counted))
+            for write in writes:
+                write.result()
+    except BaseException:
+        wait(writes)  # a commit landing after the failed attempt's rows are deleted would stay
+        raise
+    if cfg.report:
+        faults.point("report")
+    return result, row
 
 
 def timed(timer: StageTimer, stage: str, work, *args):
@@ -399,25 +436,23 @@ def write_other_tables(
     tables: OutputTables,
     attempt: Attempt,
     schemas: dict[str, StructType],
-    labelled: DataFrame,
-    counted: LabelledRows,
     profiles: pa.Table,
     changes: pa.Table | None,
+    quarantined: DataFrame | None,
 ) -> None:
     """Append the attempt's device profiles (device_clusters_table), its cluster changes (with identity.mode
-    stable; kfed_spark.identity.changes_table) and its quarantined rows if it has any."""
+    stable; kfed_spark.identity.changes_table) and its quarantined rows (the input's columns and their
+    reason, in REASON_COL) if it has any."""
     tag = attempt_columns(attempt)
-    spark = labelled.sparkSession
+    spark = tables.spark
     frames = {
         name: conform(spark.createDataFrame(table), schemas[name].fields[:-2]).select("*", *tag)
         for name, table in (("device_clusters", profiles), ("cluster_changes", changes))
         if table is not None
     }
-    if counted.n_quarantined:  # a second labelling pass, only for dirty inputs
-        frames["quarantine"] = (
-            labelled.filter(F.col(REASON_COL).isNotNull())
-            .withColumnRenamed(REASON_COL, "reason")
-            .select(*schemas["quarantine"].names[:-2], *tag)
+    if quarantined is not None:
+        frames["quarantine"] = quarantined.withColumnRenamed(REASON_COL, "reason").select(
+            *schemas["quarantine"].names[:-2], *tag
         )
     tables.append(frames, attempt.run_id, attempt.attempt_id)
     faults.point("tables")
@@ -577,9 +612,13 @@ def attempt_row(
             "min_center_points": cfg.min_center_points,
             "timings": {},
             "config": json.dumps(as_dict(cfg), sort_keys=True),
-            "versions": {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")},
+            "versions": package_versions(),
         }
     )
+
+
+def package_versions() -> dict[str, str]:
+    return {name: version(name) for name in ("kfed-spark", "pyspark", "delta-spark", "numpy")}
 
 
 RESULT_COLUMNS = (

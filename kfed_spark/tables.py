@@ -110,6 +110,7 @@ COLUMN_COMMENTS = {
     "device's nearest shared center or the nearest global one; null for a run that takes a model",
     "n_devices_held_back": "devices that shared no local center: their rows took the nearest global center; null "
     "for a run that takes a model",
+    "forgotten_devices": "devices `kfed-spark forget` took out of the run up to this attempt (null: none)",
     "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
     "ari": "adjusted Rand index against the truth column, if the input has one",
     "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
@@ -328,6 +329,7 @@ class RunRecord:
     min_center_points: int | None = _column(IntegerType())
     n_rows_held_back: int | None = _column(LongType())
     n_devices_held_back: int | None = _column(LongType())
+    forgotten_devices: int | None = _column(IntegerType())
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> RunRecord:

@@ -13,7 +13,7 @@ from helpers import MIXTURE, published, report_folder, run_cli, runs_of
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.bench.synthetic import mixture, two_days
 from kfed_spark.cli import main
-from kfed_spark.identity import ClusterSummary, match_clusters
+from kfed_spark.identity import ClusterSummary, match_clusters, matching_by_ids
 from kfed_spark.kernels import assigned_with_margin, local_clusterings, server_step
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
@@ -53,6 +53,12 @@ def test_matching_keeps_the_persistent_clusters_and_no_shift_or_scale_changes_it
     assert id_of_truth_two[K] == 500 and list(before.ids[matching.retired]) == [id_of_truth_one[K - 1]]
     moved = np.nanargmax(matching.center_shift)
     assert matching.ids[moved] == id_of_truth_two[0]
+    # Clusters that already carry these ids (an attempt of `forget`) relate to the reference just as matched.
+    by_ids = matching_by_ids(dataclasses.replace(after, ids=matching.ids), before)
+    for name in ("ids", "reference", "retired"):
+        np.testing.assert_array_equal(getattr(by_ids, name), getattr(matching, name))
+    np.testing.assert_allclose(by_ids.relative_shift, matching.relative_shift, rtol=1e-9)
+    np.testing.assert_allclose(by_ids.center_shift, matching.center_shift, rtol=1e-6)
     for scale, shift in ((1e-6, 0.0), (1.0, 1e9), (3.0, -7.0)):
 
         def moved_by(s: ClusterSummary) -> ClusterSummary:
@@ -198,7 +204,7 @@ def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, 
             [
                 *("identity_mode", "reference_run_id", "reference_attempt_id", "highest_cluster_id", "k_range"),
                 *("k_sweep", "mlflow_run_id", "tracking_error"),
-                *("min_center_points", "n_rows_held_back", "n_devices_held_back"),
+                *("min_center_points", "n_rows_held_back", "n_devices_held_back", "forgotten_devices"),
             ],
         ),
         ("labels", ["distance", "margin"]),

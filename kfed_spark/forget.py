@@ -1,0 +1,292 @@
+"""`kfed-spark forget`: take devices back out of the published runs that hold them (an erasure request).
+
+For each run that holds rows or centers of the devices, a new attempt of its run id is published the
+way `run` publishes one (kfed_spark.attempts: claimed, its rows appended, one commit of its runs row),
+so that readers see the earlier attempt whole until that commit and the new one whole after it. The
+new attempt is what a run over the input without those devices gives, without reading the input:
+- no local step: alg. 1 on a device depends on its own rows, the run seed and its id only, so every
+  other device's local centers are its published ones;
+- the server step again over those, with the run's own settings (its runs row's config);
+- the published labels of the other devices labelled again through the new model (a row's stored
+  features give its local cluster, global cluster, distance and margin), the pass that also gathers
+  the device profiles and the report;
+- the quarantine copied without the devices' rows;
+- the clusters keep the earlier attempt's ids where they match its clusters (kfed_spark.identity), and
+  cluster_changes relates them to the reference run's published attempt as it is now.
+A published forget attempt keeps its run's start and finish times, so the newest run stays the newest.
+The earlier attempts are then superseded and their rows and report files deleted (a tidy-up); their
+Parquet files leave the tables' folders at the next VACUUM after the tables' retention period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import reduce
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from kfed_spark import faults
+from kfed_spark.attempts import Ledger, new_attempt_id, published_attempts
+from kfed_spark.config import build_config
+from kfed_spark.errors import ConfigError, KFedError
+from kfed_spark.failures import describe
+from kfed_spark.fitting import (
+    REASON_COL,
+    Clustering,
+    LocalCenters,
+    StageTimer,
+    choose_k,
+    merged_on_driver,
+    validated,
+)
+from kfed_spark.identity import ClusterSummary, changes_table, fresh_ids, largest_share, match_clusters, matching_by_ids
+from kfed_spark.io import OutputTables, attempt_filter
+from kfed_spark.job import LabelledRows, k_sweep_column, package_versions, write_attempt
+from kfed_spark.models import attempt_model, reference_run
+from kfed_spark.params import AlgorithmParams
+from kfed_spark.tables import ADDED_COLUMNS, RunRecord, output_schemas, stats_columns
+
+log = logging.getLogger("kfed_spark")
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """One run's new attempt without the devices."""
+
+    run_id: str
+    attempt_id: str
+    superseded_attempt_id: str
+    n_devices: int  # of the devices asked for, those the run held
+    n_rows_removed: int  # their labelled and quarantined rows
+    k: int
+    n_ids_kept: int  # clusters that kept the superseded attempt's id
+
+
+def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) -> list[Forgotten]:
+    """Take the devices (ids as text) out of the published run run_id, or of every published run (None):
+    one new attempt per run that holds any of them, the runs in the order they finished (a reference
+    run before the runs matched to it). Then the superseded attempts' rows are deleted."""
+    ledger = Ledger(tables)
+    known = ledger.rows_if_any()
+    published = published_attempts(known)
+    rows = sorted(
+        (r for r in known if published.get(r.run_id) == r.attempt_id and run_id in (None, r.run_id)),
+        key=lambda r: (r.finished_at, r.run_id),
+    )
+    if run_id is not None and not rows:
+        raise KFedError(f"no published run {run_id!r} under {tables.root}")
+    held = devices_held(tables, rows, sorted(set(devices)))
+    affected = [r for r in rows if held.get(r.run_id)]
+    takes_model = [r for r in affected if r.parent_run_id is not None]
+    if takes_model:  # refused before anything is written
+        r = takes_model[0]
+        raise KFedError(
+            f"run {r.run_id!r} labelled its rows with the model of {r.parent_run_id}, and forget does not rewrite "
+            "runs that take a model yet: forget the devices from the other runs with --run, then run "
+            f"`kfed-spark assign` for {r.run_id!r} again"
+        )
+    done = [forget_in_run(tables, ledger, row, held[row.run_id]) for row in affected]
+    if done:
+        ledger.tidy()
+    return done
+
+
+def devices_held(tables: OutputTables, rows: list[RunRecord], devices: list[str]) -> dict[str, set[str]]:
+    """Of the devices, those each run's published attempt holds a row or center of (in local_centers, its
+    device profiles or its quarantine), by run id."""
+    if not rows or not tables.exists("local_centers"):
+        return {}
+    attempts = F.struct("run_id", "attempt_id").isin([F.struct(F.lit(r.run_id), F.lit(r.attempt_id)) for r in rows])
+    found = []
+    for name in ("local_centers", "device_clusters"):
+        device = F.col("device_id").cast("string")
+        found.append(tables.read(name).filter(attempts & device.isin(devices)).select("run_id", device.alias("d")))
+    by_column: dict[str, list[RunRecord]] = {}
+    for row in rows:
+        by_column.setdefault(run_config(row, tables).input.device_col, []).append(row)
+    quarantine = tables.read("quarantine")
+    for column, of_column in by_column.items():
+        if column in quarantine.columns:
+            device = F.col(column).cast("string")
+            run_ids = F.col("run_id").isin([r.run_id for r in of_column])
+            found.append(
+                quarantine.filter(attempts & run_ids & device.isin(devices)).select("run_id", device.alias("d"))
+            )
+    held: dict[str, set[str]] = {}
+    for hit in reduce(DataFrame.unionByName, found).distinct().collect():
+        held.setdefault(hit.run_id, set()).add(hit.d)
+    return held
+
+
+def run_config(row: RunRecord, tables: OutputTables):
+    """The run's configuration as its runs row recorded it, writing to this location."""
+    try:
+        raw = json.loads(row.config)
+        raw["output"] = {**raw.get("output", {}), "path": tables.root}
+        return build_config(raw)
+    except (ValueError, ConfigError) as exc:
+        raise KFedError(f"the recorded config of run {row.run_id!r} cannot be read: {describe(exc) or exc}") from None
+
+
+def without(devices: set[str], column: str):
+    """True for a row that is not of the devices (a null device is none of them)."""
+    return ~F.coalesce(F.col(column).cast("string").isin(sorted(devices)), F.lit(False))
+
+
+def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices: set[str]) -> Forgotten:
+    """The run's new attempt without the devices, published (see the module's docstring)."""
+    run_id, timer = row.run_id, StageTimer()
+    cfg = run_config(row, tables)
+    device_col = cfg.input.device_col
+    with timer.stage("validate"):
+        old = attempt_model(tables, run_id, row.attempt_id)
+        gone = pc.is_in(pc.cast(old.local.column("device_id"), pa.string()), pa.array(sorted(devices)))
+        local = LocalCenters.from_arrow(old.local.filter(pc.invert(gone)), old.dim)
+        stored = tables.read("labels").filter(attempt_filter(run_id, row.attempt_id))
+        raw = stored.filter(without(devices, device_col)).select(*[c for c in stored.columns if c not in ADDED_COLUMNS])
+        # The rows were checked when they were labelled; validated() only prepares their features here
+        # (k_per_device is not read again: it may name a side table that has changed since).
+        checked, dim = validated(raw, dataclasses.replace(cfg, k_per_device=1), old.dim)
+        schemas = output_schemas(raw.schema, device_col)
+        tables.prepare(schemas, stats_columns(device_col), tables.check(schemas))
+        tables.register()
+        faults.point("created")
+    with timer.stage("server_step"):
+        cfg, chosen = choose_k(local, cfg, timer)
+        reference = current_reference(tables, ledger, row) if row.identity_mode == "stable" else None
+        initial = reference.clusters.centers if reference is not None and cfg.identity.warm_start else None
+        try:
+            local, server = merged_on_driver(local, AlgorithmParams.of(cfg), initial)
+        except ValueError as exc:
+            raise KFedError(f"run {run_id!r} without those devices: {exc}") from None
+        if server is None:
+            raise KFedError(
+                f"run {run_id!r} has no local center left without those devices: nothing in it can be clustered "
+                "again (forget cannot yet publish an empty run)"
+            )
+    k = len(server.centers)
+    summary = ClusterSummary.of(
+        np.arange(k), server.centers, server.assignment, local.centers, local.counts, local.sse, local.devices
+    )
+    next_id = max(int(old.cluster_ids.max()), row.highest_cluster_id or -1) + 1
+    if row.identity_mode == "stable":  # the superseded attempt's ids where its clusters match
+        ids = match_clusters(summary, old.clusters(), next_id).ids
+    else:
+        ids = fresh_ids(k, 0).ids
+    summary = dataclasses.replace(summary, ids=ids)
+    device_type = local.table.schema.field("device_id").type
+    changes = None
+    if row.identity_mode == "stable":
+        matching = (
+            dataclasses.replace(fresh_ids(k, 0), ids=ids)
+            if reference is None
+            else matching_by_ids(summary, reference.clusters)
+        )
+        changes = changes_table(
+            matching,
+            summary,
+            reference,
+            largest_share(local.devices, ids[server.assignment], local.counts),
+            device_type,
+        )
+    clustering = Clustering(
+        checked,
+        dim,
+        local,
+        server,
+        local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True, cluster_ids=ids),
+        ids,
+        chosen,
+    )
+    started_at = datetime.now(timezone.utc)
+    new_row = row.changed(
+        attempt_id=new_attempt_id(started_at),
+        started_at=started_at,
+        finished_at=None,
+        k=k,
+        k_sweep=k_sweep_column(chosen),
+        reference_attempt_id=None if reference is None else reference.attempt_id,
+        highest_cluster_id=max(next_id - 1, int(ids.max())),
+        timings={},
+        versions=package_versions(),
+        mlflow_run_id=None,
+        tracking_error=None,
+        forgotten_devices=(row.forgotten_devices or 0) + len(devices),
+    )
+    with timer.stage("claim"):
+        attempt, new_row = ledger.begin(new_row)
+    try:
+        faults.point("claimed")
+        quarantine = tables.read("quarantine").filter(attempt_filter(run_id, row.attempt_id))
+        quarantined = quarantine.filter(without(devices, device_col)).drop("run_id", "attempt_id")
+        result, new_row = write_attempt(
+            tables,
+            attempt,
+            new_row,
+            cfg,
+            raw.schema,
+            schemas,
+            clustering,
+            changes,
+            timer,
+            lambda labelled, counted: copied_quarantine(quarantined, counted),
+        )
+        # The run's own times: a forget attempt stands for its run, which must not become the newest.
+        n_quarantined = quarantined.count()
+        new_row = new_row.changed(
+            n_input=result.n_labelled + n_quarantined,
+            n_quarantined=n_quarantined,
+            timings=dict(timer.seconds),
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+        )
+        faults.point("before_publish")
+        with timer.stage("publish"):
+            runs_now = ledger.publish(attempt, new_row)
+    except BaseException as exc:
+        ledger.fail(new_row.changed(timings=dict(timer.seconds)), describe(exc) or f"{type(exc).__name__}: {exc}")
+        raise
+    faults.point("published")
+    ledger.supersede_others(attempt, runs_now)
+    n_removed = (row.n_input or 0) - new_row.n_input
+    log.info(
+        "run %s: attempt %s published without %d devices (%d rows)", run_id, attempt.attempt_id, len(devices), n_removed
+    )
+    return Forgotten(
+        run_id,
+        attempt.attempt_id,
+        row.attempt_id,
+        len(devices),
+        n_removed,
+        k,
+        int(np.isin(ids, old.cluster_ids).sum()) if row.identity_mode == "stable" else 0,
+    )
+
+
+def current_reference(tables: OutputTables, ledger: Ledger, row: RunRecord):
+    """The published attempt of the run's reference run as it is now (a forget may have replaced the one
+    it was matched to), None without one."""
+    if row.reference_run_id is None:
+        return None
+    rows = ledger.rows()
+    attempt = published_attempts(rows).get(row.reference_run_id)
+    found = [r for r in rows if (r.run_id, r.attempt_id) == (row.reference_run_id, attempt)]
+    return reference_run(tables, found[0]) if found else None
+
+
+def copied_quarantine(quarantined: DataFrame, counted: LabelledRows) -> DataFrame:
+    """The quarantine rows the new attempt copies; the stored labels were valid rows once, so labelling
+    them again must quarantine none."""
+    if counted.n_quarantined:
+        raise KFedError(
+            f"row accounting failed: {counted.n_quarantined} stored labelled rows could not be labelled again"
+        )
+    return quarantined.withColumnRenamed("reason", REASON_COL)

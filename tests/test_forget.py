@@ -1,0 +1,140 @@
+"""`kfed-spark forget`: devices taken out of published runs, on real Spark and real Delta tables.
+
+Killing it at every commit point is tested with `run` in tests/test_publish.py.
+"""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from helpers import MIXTURE, published, report_folder, run_cli, runs_of, spread, write_empty_config
+from kfed_spark.bench.datasets import write_parquet_folder
+from kfed_spark.cli import main
+
+pytestmark = pytest.mark.spark
+
+FORGOTTEN = [3, 7]
+"""Device 3 has two bad rows in the test's input, device 7 one."""
+
+
+def mixture_with_extras(mixture_path):
+    """The tests' mixture with bad rows (of devices 3, 7 and 10, and one without a device) and a device of two
+    rows, whose local cluster is too small to share (labelled through the nearest global center)."""
+    table = pq.read_table(mixture_path)
+    dim = MIXTURE["dim"]
+    near = table.column("features")[0].as_py()
+    extra = pa.table(
+        {
+            "row_id": pa.array(range(10_000, 10_007), pa.int64()),
+            "device_id": pa.array([3, 3, 7, 10, None, 999, 999], pa.int64()),
+            "features": pa.array(
+                [[float("nan")] * dim, [1.0], [float("inf")] * dim, None, [0.0] * dim, near, near],
+                pa.list_(pa.float64()),
+            ),
+            "true_cluster": pa.array([0] * 7, pa.int32()),
+        }
+    )
+    return pa.concat_tables([table.select(extra.column_names).cast(extra.schema), extra])
+
+
+def by_cluster_map(forgot, fresh):
+    """The one-to-one map of the forgotten run's cluster ids to the fresh run's, read from the rows they share."""
+    pairs = set(zip(forgot.cluster_id, fresh.cluster_id))
+    mapping = dict(pairs)
+    assert len(mapping) == len(pairs) == len(set(mapping.values())), "the two runs' clusters differ"
+    return mapping
+
+
+def test_forget_leaves_what_a_fresh_run_without_the_devices_gives(spark, tmp_path, mixture_path):
+    """Two runs (the second's ids matched to the first's) over an input with bad rows and a device too small to
+    share anything; forget two devices from both. Every published table of both runs loses every row and center
+    of the devices (the tables' current files too: the superseded attempts' rows are deleted), and the rest
+    equals two fresh runs over the input without them: the same rows in the same clusters (ids kept from the
+    superseded attempts), the same centers, distances, margins, quarantine, device profiles and changes."""
+    full, without = tmp_path / "full", tmp_path / "without"
+    rows = mixture_with_extras(mixture_path)
+    write_parquet_folder(rows, full)
+    kept = pa.compute.invert(pa.compute.is_in(rows.column("device_id"), pa.array(FORGOTTEN, pa.int64())))
+    write_parquet_folder(rows.filter(pa.compute.fill_null(kept, True)), without)
+    config = write_empty_config(tmp_path)
+    settings = [
+        f"k={MIXTURE['k']}",
+        f"k_per_device={MIXTURE['k_per_device']}",
+        "seed=11",
+        "input.truth_col=true_cluster",
+    ]
+    for source, out in ((full, tmp_path / "out"), (without, tmp_path / "fresh")):
+        for run_id in ("first", "second"):
+            assert run_cli(config, f"input.path={source}", f"output.path={out}", f"run_id={run_id}", *settings) == 0
+    before = {r.run_id: r for r in runs_of(spark, tmp_path / "out")}
+    devices = [arg for d in FORGOTTEN for arg in ("--device", str(d))]
+    assert main(["forget", "--output", str(tmp_path / "out"), *devices, "--device", "12345", "--all-runs"]) == 0
+
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    runs = {r.attempt_id: r for r in runs_of(spark, out)}
+    for run_id in ("first", "second"):
+        old = runs[before[run_id].attempt_id]
+        assert (old.status, old.rows_removed) == ("superseded", True)
+        (new,) = [r for r in runs.values() if r.run_id == run_id and r.status == "succeeded"]
+        assert new.forgotten_devices == 2 and (new.started_at, new.finished_at) == (old.started_at, old.finished_at)
+        assert new.n_input == old.n_input - 200 - 3 and new.n_quarantined == old.n_quarantined - 3
+        assert new.n_devices == old.n_devices - 2
+        assert report_folder(out, run_id).name == new.attempt_id
+        assert json.loads((report_folder(out, run_id) / "report.json").read_text())["attempt_id"] == new.attempt_id
+    for name, column in (
+        ("labels", "device_id"),
+        ("quarantine", "device_id"),
+        ("local_centers", "device_id"),
+        ("device_clusters", "device_id"),
+    ):
+        current = spark.read.format("delta").load(str(out / name))  # every attempt's rows, not only published
+        assert current.filter(current[column].isin(FORGOTTEN)).count() == 0, name
+    changes = spark.read.format("delta").load(str(out / "cluster_changes")).toPandas()
+    assert not any(set(FORGOTTEN) & set(ids) for ids in [*changes.devices_in, *changes.devices_out])
+
+    def table(location, name, run_id):
+        return published(spark, location, name).filter(f"run_id = '{run_id}'").toPandas()
+
+    for run_id in ("first", "second"):
+        forgot = table(out, "labels", run_id).set_index("row_id").sort_index()
+        again = table(fresh, "labels", run_id).set_index("row_id").sort_index()
+        assert list(forgot.index) == list(again.index)
+        ids = by_cluster_map(forgot, again)
+        assert set(ids) <= set(table(out, "cluster_changes", run_id).cluster_id)
+        x = np.stack(again.features.to_numpy())
+        tolerance = 1e-9 * np.sqrt(spread(x) / len(x))
+        np.testing.assert_array_equal(forgot.local_cluster_id.fillna(-1), again.local_cluster_id.fillna(-1))
+        np.testing.assert_allclose(forgot.distance, again.distance, atol=tolerance)
+        np.testing.assert_allclose(forgot.margin, again.margin, atol=1e-9)
+        centers = {ids[r.cluster_id]: np.array(r.center) for r in table(out, "centers", run_id).itertuples()}
+        for r in table(fresh, "centers", run_id).itertuples():
+            np.testing.assert_allclose(centers[r.cluster_id], r.center, atol=tolerance)
+        quarantine = table(out, "quarantine", run_id).sort_values("row_id")
+        assert list(quarantine.row_id) == sorted(table(fresh, "quarantine", run_id).row_id)
+        profiles, fresh_profiles = (
+            table(location, "device_clusters", run_id)
+            .assign(cluster_id=lambda t, m=m: t.cluster_id.map(m))
+            .sort_values(["device_id", "cluster_id"])[["device_id", "cluster_id", "n_points"]]
+            .reset_index(drop=True)
+            for location, m in ((out, ids), (fresh, {v: v for v in ids.values()}))
+        )
+        assert profiles.equals(fresh_profiles)
+    forgot_changes = table(out, "cluster_changes", "second")
+    fresh_changes = table(fresh, "cluster_changes", "second")
+    assert sorted(forgot_changes.status) == sorted(fresh_changes.status)
+    assert sorted(forgot_changes.n_points.dropna()) == sorted(fresh_changes.n_points.dropna())
+
+
+def test_forget_refuses_a_run_it_does_not_know_and_changes_nothing_without_the_devices(
+    spark, capsys, config_after_first_run, tmp_path
+):
+    out = tmp_path / "out"
+    attempts = [r.attempt_id for r in runs_of(spark, out)]
+    assert main(["forget", "--output", str(out), "--device", "12345", "--all-runs"]) == 0
+    assert "nothing to forget" in capsys.readouterr().out
+    assert [r.attempt_id for r in runs_of(spark, out)] == attempts
+    assert main(["forget", "--output", str(out), "--device", "3", "--run", "nope"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"kfed-spark: error: no published run 'nope' under {out}"
