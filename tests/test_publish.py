@@ -52,17 +52,17 @@ def last_line(err):
 def what_readers_see(spark, out, run_id="first"):
     """Per read path, which attempts of run_id it shows and how many rows of each."""
     tables = OutputTables(spark, OutputConfig(path=str(out)))
-    seen = {}
     views = tables.register_views()
-    for name in (*DATA_TABLES, "latest_labels"):
-        rows = (
-            []
-            if name not in views
-            else spark.sql(
-                f"SELECT attempt_id, count(*) AS n FROM {name} WHERE run_id = '{run_id}' GROUP BY attempt_id"
-            ).collect()
+    names = [name for name in (*DATA_TABLES, "latest_labels") if name in views]
+    seen = {name: {} for name in (*DATA_TABLES, "latest_labels")}
+    if names:  # one query over every view
+        counts = " UNION ALL ".join(
+            f"SELECT '{name}' AS view, attempt_id, count(*) AS n FROM {name} WHERE run_id = '{run_id}' "
+            "GROUP BY attempt_id"
+            for name in names
         )
-        seen[name] = {row.attempt_id: row.n for row in rows}
+        for row in spark.sql(counts).collect():
+            seen[row.view][row.attempt_id] = row.n
     try:
         seen["report"] = json.loads(tables.read_report(run_id))["attempt_id"]
     except KFedError:
@@ -79,14 +79,14 @@ def what_readers_see(spark, out, run_id="first"):
     return seen
 
 
-def assert_whole(seen, attempt, k, latest=True):
-    """Every read path shows the whole of `attempt` (k clusters), or nothing when attempt is None;
-    latest_labels shows it too when its run is the newest."""
+def assert_whole(seen, attempt, k, latest=True, n_rows=N_ROWS):
+    """Every read path shows the whole of `attempt` (k clusters, n_rows labelled), or nothing when attempt is
+    None; latest_labels shows it too when its run is the newest."""
     if attempt is None:
         assert seen == {name: {} for name in (*DATA_TABLES, "latest_labels")} | {"report": None, "duckdb": {}}
         return
     for name in ("labels", "latest_labels", "duckdb") if latest else ("labels", "duckdb"):
-        assert seen[name] == {attempt: N_ROWS}, name
+        assert seen[name] == {attempt: n_rows}, name
     assert seen["centers"] == {attempt: k}
     assert seen["cluster_changes"] == {attempt: k}  # no other run id: every cluster new
     assert set(seen["local_centers"]) == {attempt}
@@ -151,6 +151,41 @@ def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(request, sp
         killed if point == "published" else old,
         6 if point == "published" else MIXTURE["k"],
     )
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, config_after_first_run, tmp_path, point):
+    """`kfed-spark forget` takes a device out of a run through a new attempt, published as a run's: killed at
+    any point, readers see the run with the device or the run without it, whole; once the process is gone
+    the next tidy-up removes what it left, and forget again finishes the erasure."""
+    config, out = config_after_first_run, tmp_path / "out"
+    old = published_attempt(spark, out)
+    forget = ("forget", "--config", str(config), "--device", "3", "--run", "first")
+    code, _, err = finish(cli_process(*forget, env={**clean_environment(), FAULT_ENV: f"kill:{point}"}))
+    assert code == -signal.SIGKILL, err[-2000:]
+    new = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
+    without = N_ROWS - MIXTURE["points_per_device"]
+    if point == "published":
+        (killed,) = new
+        assert_whole(what_readers_see(spark, out), killed, MIXTURE["k"], n_rows=without)
+    else:
+        assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
+        assert [r.status for r in runs_of(spark, out) if r.attempt_id != old] == (
+            [] if point == "created" else ["running"]
+        )
+
+    assert main(["maintain", "--output", str(out)]) == 0
+    statuses = {r.attempt_id: (r.status, r.rows_removed) for r in runs_of(spark, out)}
+    if point == "published":
+        assert statuses[old] == ("superseded", True) and old not in raw_attempts(spark, out)
+        assert_whole(what_readers_see(spark, out), killed, MIXTURE["k"], n_rows=without)
+        return
+    if new:
+        assert statuses[new[0]] == ("abandoned", True) and new[0] not in raw_attempts(spark, out)
+    assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
+    if point == "report":  # the erasure, asked again, is done
+        assert main(list(forget)) == 0
+        assert_whole(what_readers_see(spark, out), published_attempt(spark, out), MIXTURE["k"], n_rows=without)
 
 
 def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see(
