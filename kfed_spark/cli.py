@@ -165,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOURS",
         help="also abandon attempts still running after this long, on any host",
     )
+    maintain.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="then VACUUM every table: files of deleted rows older than the table's retention "
+        "(delta.deletedFileRetentionDuration, 7 days by default) leave its folder, and with them the past "
+        "versions that read them",
+    )
     maintain.set_defaults(handler=command_maintain)
 
     forget = commands.add_parser(
@@ -719,6 +726,8 @@ def command_maintain(args: argparse.Namespace) -> int:
         f"{len(rows)} attempts under {tables.root}: "
         + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     )
+    if args.vacuum:
+        print(f"vacuumed {', '.join(tables.vacuum())}")
     return 0
 
 
@@ -738,6 +747,11 @@ def command_forget(args: argparse.Namespace) -> int:
             f"({run.n_rows_removed} rows removed; {run.k} clusters, {run.n_ids_kept} kept their ids); attempt "
             f"{run.superseded_attempt_id} superseded and its rows deleted"
         )
+        if run.mlflow_run_id:
+            print(
+                f"run {run.run_id}: MLflow run {run.mlflow_run_id} logged the superseded attempt, with the devices' "
+                "local centers; forget does not change MLflow: delete that run there"
+            )
     if done:
         print(
             "the deleted rows stay in the tables' Delta history until VACUUM removes their files after the "

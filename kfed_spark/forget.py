@@ -68,6 +68,7 @@ class Forgotten:
     n_rows_removed: int  # their labelled and quarantined rows
     k: int
     n_ids_kept: int  # clusters that kept the superseded attempt's id
+    mlflow_run_id: str | None  # the superseded attempt's MLflow run, which forget does not change
 
 
 def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) -> list[Forgotten]:
@@ -257,9 +258,7 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
     faults.point("published")
     ledger.supersede_others(attempt, runs_now)
     n_removed = (row.n_input or 0) - new_row.n_input
-    log.info(
-        "run %s: attempt %s published without %d devices (%d rows)", run_id, attempt.attempt_id, len(devices), n_removed
-    )
+    log.info("run %s: attempt %s published without %d device(s)", run_id, attempt.attempt_id, len(devices))
     return Forgotten(
         run_id,
         attempt.attempt_id,
@@ -268,6 +267,7 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
         n_removed,
         k,
         int(np.isin(ids, old.cluster_ids).sum()) if row.identity_mode == "stable" else 0,
+        row.mlflow_run_id,
     )
 
 

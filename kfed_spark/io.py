@@ -36,6 +36,7 @@ from kfed_spark.tables import (
     PUBLISHED_ATTEMPTS,
     STREAM_TABLES,
     TABLE_COMMENTS,
+    TABLES,
     column_comment,
     partition_columns,
 )
@@ -248,6 +249,29 @@ class TableStore:
 
     def report_dir(self, run_id: str, attempt_id: str) -> str:
         return f"{self.root}/{REPORTS}/{run_id}/{attempt_id}"
+
+    def vacuum(self) -> list[str]:
+        """VACUUM every table of the location (each with its own retention, delta.deletedFileRetentionDuration,
+        7 days unless set): the files of deleted rows older than that leave the folders. Returns the tables."""
+        names = [name for name in (*TABLES, *STREAM_TABLES) if self.exists(name)]
+
+        def vacuum(name: str) -> None:
+            with self.writing(name):
+                self.spark.sql(f"VACUUM {self.source(name)}")
+
+        # Delta lists a table's files in as many tasks as this says: 10,000 by default, minutes of empty tasks
+        # on a small machine; the session's shuffle partitions are sized to its cluster.
+        listing = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
+        before = self.spark.conf.get(listing, None)
+        self.spark.conf.set(listing, self.spark.conf.get("spark.sql.shuffle.partitions"))
+        try:
+            concurrently(vacuum, names)
+        finally:
+            if before is None:
+                self.spark.conf.unset(listing)
+            else:
+                self.spark.conf.set(listing, before)
+        return names
 
 
 class LocationChecks(TableStore):

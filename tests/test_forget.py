@@ -10,9 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import MIXTURE, published, report_folder, run_cli, runs_of, spread, write_empty_config
+from helpers import MIXTURE, N_ROWS, published, report_folder, run_cli, runs_of, spread, write_empty_config
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.cli import main
+from kfed_spark.tables import DATA_TABLES
 
 pytestmark = pytest.mark.spark
 
@@ -128,9 +129,10 @@ def test_forget_leaves_what_a_fresh_run_without_the_devices_gives(spark, tmp_pat
     assert sorted(forgot_changes.n_points.dropna()) == sorted(fresh_changes.n_points.dropna())
 
 
-def test_forget_refuses_a_run_it_does_not_know_and_changes_nothing_without_the_devices(
-    spark, capsys, config_after_first_run, tmp_path
-):
+def test_forget_then_vacuum_leaves_no_file_that_holds_the_device(spark, capsys, config_after_first_run, tmp_path):
+    """Devices no run holds change nothing; an unknown run is refused in one line. After forget the device's
+    rows are deleted but their files stay in the tables' history; `maintain --vacuum` removes them once the
+    tables' retention has passed (here set to none)."""
     out = tmp_path / "out"
     attempts = [r.attempt_id for r in runs_of(spark, out)]
     assert main(["forget", "--output", str(out), "--device", "12345", "--all-runs"]) == 0
@@ -138,3 +140,20 @@ def test_forget_refuses_a_run_it_does_not_know_and_changes_nothing_without_the_d
     assert [r.attempt_id for r in runs_of(spark, out)] == attempts
     assert main(["forget", "--output", str(out), "--device", "3", "--run", "nope"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"kfed-spark: error: no published run 'nope' under {out}"
+
+    def files_holding_device_3():
+        return [
+            path
+            for name in ("labels", "local_centers", "device_clusters")
+            for path in (out / name).rglob("*.parquet")
+            if 3 in pq.read_table(path, columns=["device_id"]).column("device_id").to_pylist()
+        ]
+
+    assert main(["forget", "--output", str(out), "--device", "3", "--run", "first"]) == 0
+    assert len(files_holding_device_3()) >= 3  # deleted rows, in the tables' history
+    for name in DATA_TABLES:
+        retention = "'delta.deletedFileRetentionDuration' = 'interval 0 hours'"
+        spark.sql(f"ALTER TABLE delta.`{out / name}` SET TBLPROPERTIES ({retention})")
+    assert main(["maintain", "--output", str(out), "--vacuum"]) == 0
+    assert files_holding_device_3() == []
+    assert published(spark, out, "labels").count() == N_ROWS - MIXTURE["points_per_device"]
