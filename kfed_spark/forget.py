@@ -48,7 +48,7 @@ from kfed_spark.fitting import (
     validated,
 )
 from kfed_spark.identity import ClusterSummary, changes_table, fresh_ids, largest_share, match_clusters, matching_by_ids
-from kfed_spark.io import OutputTables, attempt_filter
+from kfed_spark.io import OutputTables, attempt_filter, concurrently
 from kfed_spark.job import LabelledRows, k_sweep_column, package_versions, write_attempt
 from kfed_spark.models import attempt_model, reference_run
 from kfed_spark.params import AlgorithmParams
@@ -84,7 +84,9 @@ def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) 
     )
     if run_id is not None and not rows:
         raise KFedError(f"no published run {run_id!r} under {tables.root}")
-    held = devices_held(tables, rows, sorted(set(devices)))
+    timer = StageTimer()  # its stages are logged; each attempt's own are in its runs row
+    with timer.stage("find"):
+        held = devices_held(tables, rows, sorted(set(devices)))
     affected = [r for r in rows if held.get(r.run_id)]
     takes_model = [r for r in affected if r.parent_run_id is not None]
     if takes_model:  # refused before anything is written
@@ -96,34 +98,41 @@ def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) 
         )
     done = [forget_in_run(tables, ledger, row, held[row.run_id]) for row in affected]
     if done:
-        ledger.tidy()
+        with timer.stage("tidy"):
+            ledger.tidy()
     return done
 
 
 def devices_held(tables: OutputTables, rows: list[RunRecord], devices: list[str]) -> dict[str, set[str]]:
-    """Of the devices, those each run's published attempt holds a row or center of (in local_centers, its
-    device profiles or its quarantine), by run id."""
-    if not rows or not tables.exists("local_centers"):
-        return {}
-    attempts = F.struct("run_id", "attempt_id").isin([F.struct(F.lit(r.run_id), F.lit(r.attempt_id)) for r in rows])
-    found = []
-    for name in ("local_centers", "device_clusters"):
-        device = F.col("device_id").cast("string")
-        found.append(tables.read(name).filter(attempts & device.isin(devices)).select("run_id", device.alias("d")))
-    by_column: dict[str, list[RunRecord]] = {}
-    for row in rows:
-        by_column.setdefault(run_config(row, tables).input.device_col, []).append(row)
-    quarantine = tables.read("quarantine")
-    for column, of_column in by_column.items():
-        if column in quarantine.columns:
-            device = F.col(column).cast("string")
-            run_ids = F.col("run_id").isin([r.run_id for r in of_column])
-            found.append(
-                quarantine.filter(attempts & run_ids & device.isin(devices)).select("run_id", device.alias("d"))
-            )
+    """Of the devices, those each run's published attempt (its runs row in rows) holds a row or a center of, in
+    local_centers, its device profiles or its quarantine, by run id. The three tables are read side by side,
+    each attempt's partition only."""
+    device_cols = {row.run_id: run_config(row, tables).input.device_col for row in rows}
+
+    def hits(name: str) -> list:
+        table = tables.read(name)
+        wanted = []  # (the attempt's rows of the devices, the device column as text)
+        for row in rows:
+            column = device_cols[row.run_id] if name == "quarantine" else "device_id"
+            if column in table.columns:
+                device = F.col(column).cast("string")
+                attempt = (F.col("run_id") == row.run_id) & (F.col("attempt_id") == row.attempt_id)
+                wanted.append((attempt & device.isin(devices), device))
+        if not wanted:
+            return []
+        held_device = F.coalesce(*[F.when(match, device) for match, device in wanted])
+        return (
+            table.filter(reduce(lambda a, b: a | b, [match for match, _ in wanted]))
+            .select("run_id", held_device.alias("d"))
+            .distinct()
+            .collect()
+        )
+
+    names = [name for name in ("local_centers", "device_clusters", "quarantine") if rows and tables.exists(name)]
     held: dict[str, set[str]] = {}
-    for hit in reduce(DataFrame.unionByName, found).distinct().collect():
-        held.setdefault(hit.run_id, set()).add(hit.d)
+    for found in concurrently(hits, names).values():
+        for hit in found:
+            held.setdefault(hit.run_id, set()).add(hit.d)
     return held
 
 

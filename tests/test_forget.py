@@ -141,13 +141,28 @@ def test_forget_then_vacuum_leaves_no_file_that_holds_the_device(spark, capsys, 
     assert main(["forget", "--output", str(out), "--device", "3", "--run", "nope"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"kfed-spark: error: no published run 'nope' under {out}"
 
-    def files_holding_device_3():
+    def files_holding_device_3():  # of run first
         return [
             path
             for name in ("labels", "local_centers", "device_clusters")
-            for path in (out / name).rglob("*.parquet")
+            for path in (out / name).glob("run_id=first/*/*.parquet")
             if 3 in pq.read_table(path, columns=["device_id"]).column("device_id").to_pylist()
         ]
+
+    # A run that labels with another run's model is refused before anything is written.
+    assign = ["assign", "--model-run", "first", "--config", str(config_after_first_run), "--set", "run_id=assigned"]
+    assert main(assign) == 0
+    attempts = [r.attempt_id for r in runs_of(spark, out)]
+    assert main(["forget", "--output", str(out), "--device", "3", "--all-runs"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "kfed-spark: error: run 'assigned' labelled its rows with the model of first, and forget does not rewrite"
+        )
+    )
+    assert [r.attempt_id for r in runs_of(spark, out)] == attempts
 
     assert main(["forget", "--output", str(out), "--device", "3", "--run", "first"]) == 0
     assert len(files_holding_device_3()) >= 3  # deleted rows, in the tables' history
@@ -156,4 +171,4 @@ def test_forget_then_vacuum_leaves_no_file_that_holds_the_device(spark, capsys, 
         spark.sql(f"ALTER TABLE delta.`{out / name}` SET TBLPROPERTIES ({retention})")
     assert main(["maintain", "--output", str(out), "--vacuum"]) == 0
     assert files_holding_device_3() == []
-    assert published(spark, out, "labels").count() == N_ROWS - MIXTURE["points_per_device"]
+    assert published(spark, out, "labels").filter("run_id = 'first'").count() == N_ROWS - MIXTURE["points_per_device"]
