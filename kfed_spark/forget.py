@@ -32,10 +32,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from kfed_spark import faults
 from kfed_spark.attempts import Ledger, new_attempt_id, published_attempts
-from kfed_spark.config import build_config
+from kfed_spark.config import KFedConfig, build_config
 from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.failures import describe
 from kfed_spark.fitting import (
@@ -47,7 +48,15 @@ from kfed_spark.fitting import (
     merged_on_driver,
     validated,
 )
-from kfed_spark.identity import ClusterSummary, changes_table, fresh_ids, largest_share, match_clusters, matching_by_ids
+from kfed_spark.identity import (
+    ClusterSummary,
+    ReferenceRun,
+    changes_table,
+    fresh_ids,
+    largest_share,
+    match_clusters,
+    matching_by_ids,
+)
 from kfed_spark.io import OutputTables, attempt_filter, concurrently
 from kfed_spark.job import LabelledRows, k_sweep_column, package_versions, write_attempt
 from kfed_spark.models import attempt_model, reference_run
@@ -136,7 +145,7 @@ def devices_held(tables: OutputTables, rows: list[RunRecord], devices: list[str]
     return held
 
 
-def run_config(row: RunRecord, tables: OutputTables):
+def run_config(row: RunRecord, tables: OutputTables) -> KFedConfig:
     """The run's configuration as its runs row recorded it, writing to this location."""
     try:
         raw = json.loads(row.config)
@@ -151,11 +160,23 @@ def without(devices: set[str], column: str):
     return ~F.coalesce(F.col(column).cast("string").isin(sorted(devices)), F.lit(False))
 
 
-def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices: set[str]) -> Forgotten:
-    """The run's new attempt without the devices, published (see the module's docstring)."""
-    run_id, timer = row.run_id, StageTimer()
-    cfg = run_config(row, tables)
-    device_col = cfg.input.device_col
+@dataclass(frozen=True)
+class Refit:
+    """A run's clustering without the devices, before anything of it is written."""
+
+    clustering: Clustering  # over the stored labels of the other devices
+    raw_schema: StructType  # the stored rows' columns, as an input's
+    changes: pa.Table | None  # its cluster_changes rows (identity.mode stable)
+    reference: ReferenceRun | None  # the reference run's published attempt, as it is now
+    n_ids_kept: int  # clusters that kept the superseded attempt's id
+    highest_cluster_id: int  # the highest id used in the run's attempts so far, this one's included
+
+
+def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig, devices: set[str], timer) -> Refit:
+    """The server step again over the run's published local centers of the other devices, with the run's
+    settings; the clusters' ids (the superseded attempt's where they match) and cluster_changes; the stored
+    labels of the other devices prepared to be labelled again. Creates what an older location lacks."""
+    run_id, device_col = row.run_id, cfg.input.device_col
     with timer.stage("validate"):
         old = attempt_model(tables, run_id, row.attempt_id)
         gone = pc.is_in(pc.cast(old.local.column("device_id"), pa.string()), pa.array(sorted(devices)))
@@ -169,9 +190,10 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
         tables.prepare(schemas, stats_columns(device_col), tables.check(schemas))
         tables.register()
         faults.point("created")
+    stable = row.identity_mode == "stable"
     with timer.stage("server_step"):
         cfg, chosen = choose_k(local, cfg, timer)
-        reference = current_reference(tables, ledger, row) if row.identity_mode == "stable" else None
+        reference = current_reference(tables, ledger, row) if stable else None
         initial = reference.clusters.centers if reference is not None and cfg.identity.warm_start else None
         try:
             local, server = merged_on_driver(local, AlgorithmParams.of(cfg), initial)
@@ -187,14 +209,10 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
         np.arange(k), server.centers, server.assignment, local.centers, local.counts, local.sse, local.devices
     )
     next_id = max(int(old.cluster_ids.max()), row.highest_cluster_id or -1) + 1
-    if row.identity_mode == "stable":  # the superseded attempt's ids where its clusters match
-        ids = match_clusters(summary, old.clusters(), next_id).ids
-    else:
-        ids = fresh_ids(k, 0).ids
+    ids = match_clusters(summary, old.clusters(), next_id).ids if stable else fresh_ids(k, 0).ids
     summary = dataclasses.replace(summary, ids=ids)
-    device_type = local.table.schema.field("device_id").type
     changes = None
-    if row.identity_mode == "stable":
+    if stable:
         matching = (
             dataclasses.replace(fresh_ids(k, 0), ids=ids)
             if reference is None
@@ -205,26 +223,34 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
             summary,
             reference,
             largest_share(local.devices, ids[server.assignment], local.counts),
-            device_type,
+            local.table.schema.field("device_id").type,
         )
-    clustering = Clustering(
-        checked,
-        dim,
-        local,
-        server,
-        local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True, cluster_ids=ids),
-        ids,
-        chosen,
+    model = local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True, cluster_ids=ids)
+    return Refit(
+        Clustering(checked, dim, local, server, model, ids, chosen),
+        raw.schema,
+        changes,
+        reference,
+        int(np.isin(ids, old.cluster_ids).sum()) if stable else 0,
+        max(next_id - 1, int(ids.max())),
     )
+
+
+def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices: set[str]) -> Forgotten:
+    """The run's new attempt without the devices (refit), appended and published like a run's attempt."""
+    run_id, timer = row.run_id, StageTimer()
+    cfg = run_config(row, tables)
+    found = refit(tables, ledger, row, cfg, devices, timer)
+    clustering = found.clustering
     started_at = datetime.now(timezone.utc)
     new_row = row.changed(
         attempt_id=new_attempt_id(started_at),
         started_at=started_at,
         finished_at=None,
-        k=k,
-        k_sweep=k_sweep_column(chosen),
-        reference_attempt_id=None if reference is None else reference.attempt_id,
-        highest_cluster_id=max(next_id - 1, int(ids.max())),
+        k=len(clustering.cluster_ids),
+        k_sweep=k_sweep_column(clustering.k_sweep),
+        reference_attempt_id=None if found.reference is None else found.reference.attempt_id,
+        highest_cluster_id=found.highest_cluster_id,
         timings={},
         versions=package_versions(),
         mlflow_run_id=None,
@@ -236,25 +262,25 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
     try:
         faults.point("claimed")
         quarantine = tables.read("quarantine").filter(attempt_filter(run_id, row.attempt_id))
-        quarantined = quarantine.filter(without(devices, device_col)).drop("run_id", "attempt_id")
+        quarantined = quarantine.filter(without(devices, cfg.input.device_col)).drop("run_id", "attempt_id")
         result, new_row = write_attempt(
             tables,
             attempt,
             new_row,
             cfg,
-            raw.schema,
-            schemas,
+            found.raw_schema,
+            output_schemas(found.raw_schema, cfg.input.device_col),
             clustering,
-            changes,
+            found.changes,
             timer,
             lambda labelled, counted: copied_quarantine(quarantined, counted),
         )
-        # The run's own times: a forget attempt stands for its run, which must not become the newest.
         n_quarantined = quarantined.count()
         new_row = new_row.changed(
             n_input=result.n_labelled + n_quarantined,
             n_quarantined=n_quarantined,
             timings=dict(timer.seconds),
+            # The run's own times: a forget attempt stands for its run, which must not become the newest.
             started_at=row.started_at,
             finished_at=row.finished_at,
         )
@@ -266,21 +292,20 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
         raise
     faults.point("published")
     ledger.supersede_others(attempt, runs_now)
-    n_removed = (row.n_input or 0) - new_row.n_input
     log.info("run %s: attempt %s published without %d device(s)", run_id, attempt.attempt_id, len(devices))
     return Forgotten(
         run_id,
         attempt.attempt_id,
         row.attempt_id,
         len(devices),
-        n_removed,
-        k,
-        int(np.isin(ids, old.cluster_ids).sum()) if row.identity_mode == "stable" else 0,
+        (row.n_input or 0) - new_row.n_input,
+        len(clustering.cluster_ids),
+        found.n_ids_kept,
         row.mlflow_run_id,
     )
 
 
-def current_reference(tables: OutputTables, ledger: Ledger, row: RunRecord):
+def current_reference(tables: OutputTables, ledger: Ledger, row: RunRecord) -> ReferenceRun | None:
     """The published attempt of the run's reference run as it is now (a forget may have replaced the one
     it was matched to), None without one."""
     if row.reference_run_id is None:
