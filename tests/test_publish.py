@@ -1,18 +1,22 @@
 """A run stays whole for its readers when it is killed, stopped or run twice: real processes, real Delta tables.
 
-Each run here is a `python -m kfed_spark.cli run` process of its own, killed with SIGKILL (by a
-test hook at a named point, or from outside), stopped with SIGTERM, or started twice at once.
+Each run here is a `kfed-spark run` (or `kfed-spark forget`) process of its own, killed with SIGKILL (by a
+test hook at a named point, or from outside), stopped with SIGTERM, or started twice at once; the
+kill-point processes start ahead of their tests, two at a time (kill_processes).
 After each, the test reads what every documented read path shows: the published views that
 `kfed-spark sql` and `output.database` define, latest_labels, `kfed-spark report` and the README's
 DuckDB recipe.
 """
 
 import json
+import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import duckdb
 import pytest
+from conftest import write_config
 from deltalake import DeltaTable
 
 from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, clean_environment, cli_process, runs_of
@@ -105,6 +109,41 @@ def raw_attempts(spark, out, name="labels"):
     }
 
 
+KILLERS_AT_ONCE = 2
+
+
+@pytest.fixture(scope="module")
+def kill_processes(request, tmp_path_factory, mixture_path, published_run):
+    """The processes of the kill-point tests, each on a location of its own (empty, or a copy of published_run's),
+    started ahead of their tests KILLERS_AT_ONCE at a time, so that while one test checks what its process left
+    the next processes run: test name -> a future of (config, output folder, exit code, stderr). Only the
+    selected tests' processes start; each test waits for its own."""
+    cases = {}
+    for item in request.session.items:
+        if item.module is request.module and hasattr(item, "callspec"):
+            params = item.callspec.params
+            if item.originalname == "test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run":
+                cases[item.name] = ("run", params["point"], params["rerun"])
+            elif item.originalname == "test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run":
+                cases[item.name] = ("forget", params["point"], True)
+
+    def act(command, point, rerun):
+        folder = tmp_path_factory.mktemp("killed")
+        config = write_config(folder, mixture_path)
+        if rerun:
+            shutil.copytree(published_run[1], folder / "out")
+        args = FORGET_DEVICE_3 if command == "forget" else ("run", "--set", "k=6")
+        process = cli_process(*args, "--config", str(config), env={**clean_environment(), FAULT_ENV: f"kill:{point}"})
+        code, _, err = finish(process)
+        return config, folder / "out", code, err
+
+    with ThreadPoolExecutor(max_workers=KILLERS_AT_ONCE) as pool:
+        yield {name: pool.submit(act, *case) for name, case in cases.items()}
+
+
+FORGET_DEVICE_3 = ("forget", "--device", "3", "--run", "first")
+
+
 KILLS = [(point, True) for point in POINTS] + [(point, False) for point in ("created", "labels", "published")]
 """Every point on a re-run, where readers must go on seeing the earlier attempt; on a first run, the points
 where the location is left in a state of another kind: tables without a runs row, rows of no published
@@ -113,12 +152,12 @@ publish."""
 
 
 @pytest.mark.parametrize(("point", "rerun"), KILLS, ids=[f"{p}-{'rerun' if r else 'first_run'}" for p, r in KILLS])
-def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(request, spark, tmp_path, point, rerun):
-    config = request.getfixturevalue("config_after_first_run" if rerun else "config")
-    out = tmp_path / "out"
-    old = published_attempt(spark, out) if rerun else None
-    code, _, err = finish(start(config, "k=6", fault=f"kill:{point}"))
+def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(
+    request, spark, kill_processes, published_run, point, rerun
+):
+    _, out, code, err = kill_processes[request.node.name].result()
     assert code == -signal.SIGKILL, err[-2000:]
+    old = published_attempt(spark, published_run[1]) if rerun else None
 
     seen = what_readers_see(spark, out)
     new = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
@@ -154,15 +193,15 @@ def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(request, sp
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, config_after_first_run, tmp_path, point):
+def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(
+    request, spark, kill_processes, published_run, point
+):
     """`kfed-spark forget` takes a device out of a run through a new attempt, published as a run's: killed at
     any point, readers see the run with the device or the run without it, whole; once the process is gone
     the next tidy-up removes what it left, and forget again finishes the erasure."""
-    config, out = config_after_first_run, tmp_path / "out"
-    old = published_attempt(spark, out)
-    forget = ("forget", "--config", str(config), "--device", "3", "--run", "first")
-    code, _, err = finish(cli_process(*forget, env={**clean_environment(), FAULT_ENV: f"kill:{point}"}))
+    config, out, code, err = kill_processes[request.node.name].result()
     assert code == -signal.SIGKILL, err[-2000:]
+    old = published_attempt(spark, published_run[1])
     new = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
     without = N_ROWS - MIXTURE["points_per_device"]
     if point == "published":
@@ -184,7 +223,7 @@ def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, con
         assert statuses[new[0]] == ("abandoned", True) and new[0] not in raw_attempts(spark, out)
     assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
     if point == "report":  # the erasure, asked again, is done
-        assert main(list(forget)) == 0
+        assert main([*FORGET_DEVICE_3, "--config", str(config)]) == 0
         assert_whole(what_readers_see(spark, out), published_attempt(spark, out), MIXTURE["k"], n_rows=without)
 
 
