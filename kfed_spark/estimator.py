@@ -37,7 +37,14 @@ from kfed_spark.identity import match_clusters
 from kfed_spark.io import OutputTables
 from kfed_spark.k_sweep import KSweep, k_values
 from kfed_spark.kernels import between_sse
-from kfed_spark.models import SAVED_LOCAL_CENTERS, StoredModel, read_saved, saved_cluster_ids, stored_model
+from kfed_spark.models import (
+    SAVED_LOCAL_CENTERS,
+    SAVED_MODEL_ORIGIN,
+    StoredModel,
+    read_saved,
+    saved_cluster_ids,
+    stored_model,
+)
 from kfed_spark.params import AlgorithmParams, camel
 from kfed_spark.workers import SQ_DIST_COL
 
@@ -690,5 +697,5 @@ class _KFedModelReader(MLReader["KFedModel"]):
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)
         return model._with_state(
-            StoredModel.of(centers, saved_cluster_ids(metadata, len(centers)), local, f"model:{path}")
+            StoredModel.of(centers, saved_cluster_ids(metadata, len(centers)), local, f"{SAVED_MODEL_ORIGIN}{path}")
         )

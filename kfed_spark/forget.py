@@ -6,7 +6,8 @@ so that readers see the earlier attempt whole until that commit and the new one 
 new attempt is what a run over the input without those devices gives, without reading the input:
 - no local step: alg. 1 on a device depends on its own rows, the run seed and its id only, so every
   other device's local centers are its published ones;
-- the server step again over those, with the run's own settings (its runs row's config);
+- the server step again over those, with the run's own settings (its runs row's config); a run that
+  takes a model (assign) takes that model again as it is published now, without the devices;
 - the published labels of the other devices labelled again through the new model (a row's stored
   features give its local cluster, global cluster, distance and margin), the pass that also gathers
   the device profiles and the report;
@@ -59,7 +60,8 @@ from kfed_spark.identity import (
 )
 from kfed_spark.io import OutputTables, attempt_filter, concurrently
 from kfed_spark.job import LabelledRows, k_sweep_column, package_versions, write_attempt
-from kfed_spark.models import attempt_model, reference_run
+from kfed_spark.kernels import ServerClustering, nearest_center
+from kfed_spark.models import SAVED_MODEL_ORIGIN, StoredModel, attempt_model, finished_model, reference_run
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.tables import ADDED_COLUMNS, RunRecord, output_schemas, stats_columns
 
@@ -96,20 +98,63 @@ def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) 
     timer = StageTimer()  # its stages are logged; each attempt's own are in its runs row
     with timer.stage("find"):
         held = devices_held(tables, rows, sorted(set(devices)))
-    affected = [r for r in rows if held.get(r.run_id)]
-    takes_model = [r for r in affected if r.parent_run_id is not None]
-    if takes_model:  # refused before anything is written
-        r = takes_model[0]
-        raise KFedError(
-            f"run {r.run_id!r} labelled its rows with the model of {r.parent_run_id}, and forget does not rewrite "
-            "runs that take a model yet: forget the devices from the other runs with --run, then run "
-            f"`kfed-spark assign` for {r.run_id!r} again"
-        )
+    affected = models_first([r for r in rows if held.get(r.run_id)])
+    forgotten_first = {r.run_id for r in affected}
+    for row in affected:  # refused before anything is written
+        if row.parent_run_id not in (None, *forgotten_first) and model_holds(parent_model(tables, row), devices):
+            raise KFedError(
+                f"run {row.run_id!r} takes the model of {row.parent_run_id}, which holds the devices too: "
+                + (
+                    "a saved model cannot be changed; `kfed-spark assign` the run again with another model"
+                    if row.parent_run_id.startswith(SAVED_MODEL_ORIGIN)
+                    else "forget them there too (--all-runs)"
+                )
+            )
     done = [forget_in_run(tables, ledger, row, held[row.run_id]) for row in affected]
     if done:
         with timer.stage("tidy"):
             ledger.tidy()
     return done
+
+
+def models_first(rows: list[RunRecord]) -> list[RunRecord]:
+    """The runs in their order, except that a run whose model another of them takes (assign) comes first."""
+    pending, ordered = list(rows), []
+    while pending:
+        waiting = {r.run_id for r in pending}
+        ready = next((r for r in pending if r.parent_run_id not in waiting), pending[0])  # pending[0]: a cycle
+        ordered.append(ready)
+        pending.remove(ready)
+    return ordered
+
+
+def parent_model(tables: OutputTables, row: RunRecord) -> StoredModel:
+    """The model a run that takes one (assign) took, as it is published now: a run's, or a saved KFedModel."""
+    origin = row.parent_run_id
+    if origin.startswith(SAVED_MODEL_ORIGIN):
+        return finished_model(tables, path=origin.removeprefix(SAVED_MODEL_ORIGIN))
+    return finished_model(tables, origin)
+
+
+def model_holds(model: StoredModel, devices: list[str] | set[str]) -> bool:
+    held = pc.is_in(pc.cast(model.local.column("device_id"), pa.string()), pa.array(sorted(devices)))
+    return bool(pc.any(held).as_py())
+
+
+def with_parent_model(tables: OutputTables, row: RunRecord, local: LocalCenters, devices: set[str]):
+    """The model of a run that takes one (assign), without the devices: the parent's model as published now
+    (forget has taken them out of it first), with the run's own devices' local centers (those the parent has
+    not seen, less the devices) joined to its nearest centers as assign joined them. Returns the local
+    centers, the ServerClustering they stand for and the centers' ids."""
+    parent = parent_model(tables, row)
+    if model_holds(parent, devices):
+        raise KFedError(f"the model of {row.parent_run_id} still holds the devices: forget them there too")
+    known = pc.cast(parent.local.column("device_id"), pa.string())
+    own = local.table.filter(pc.invert(pc.is_in(pc.cast(local.table.column("device_id"), pa.string()), known)))
+    merged = LocalCenters.from_arrow(pa.concat_tables([parent.local, own.cast(parent.local.schema)]), parent.dim)
+    joined = nearest_center(LocalCenters.from_arrow(own, parent.dim).centers, parent.centers)[0] if len(own) else []
+    assignment = np.concatenate([parent.assignment, np.asarray(joined, dtype=parent.assignment.dtype)])
+    return merged, ServerClustering(parent.centers, assignment, None, 0), parent.cluster_ids
 
 
 def devices_held(tables: OutputTables, rows: list[RunRecord], devices: list[str]) -> dict[str, set[str]]:
@@ -190,6 +235,17 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
         tables.prepare(schemas, stats_columns(device_col), tables.check(schemas))
         tables.register()
         faults.point("created")
+    if row.parent_run_id is not None:  # no server step: the model it takes
+        local, server, ids = with_parent_model(tables, row, local, devices)
+        model = local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True, cluster_ids=ids)
+        return Refit(
+            Clustering(checked, dim, local, server, model, ids),
+            raw.schema,
+            None,
+            None,
+            int(np.isin(ids, old.cluster_ids).sum()),
+            max(row.highest_cluster_id or -1, int(ids.max())),
+        )
     stable = row.identity_mode == "stable"
     with timer.stage("server_step"):
         cfg, chosen = choose_k(local, cfg, timer)

@@ -23,6 +23,8 @@ from kfed_spark.kernels import LabelModel
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.tables import LATEST_ATTEMPT, LOCAL_CENTER_COLUMNS, PUBLISHED_ATTEMPTS, RunRecord
 
+SAVED_MODEL_ORIGIN = "model:"
+"""A saved KFedModel's origin (and a run's parent_run_id when it took one) is this, then the folder."""
 SAVED_LOCAL_CENTERS = "data/local_centers"
 """Where under a saved KFedModel's folder its local centers are (Parquet); the rest is its metadata."""
 
@@ -159,7 +161,9 @@ def finished_model(tables: OutputTables, run_id: str | None = None, path: str | 
 def saved_model(spark: SparkSession, path: str) -> StoredModel:
     """The model a KFedModel saved at path holds, as `assign` and `stream` take it (--model PATH)."""
     metadata, centers, local = read_saved(spark, absolute(path))
-    return StoredModel.of(centers, saved_cluster_ids(metadata, len(centers)), local, f"model:{absolute(path)}")
+    return StoredModel.of(
+        centers, saved_cluster_ids(metadata, len(centers)), local, f"{SAVED_MODEL_ORIGIN}{absolute(path)}"
+    )
 
 
 def saved_cluster_ids(metadata: dict, k: int) -> np.ndarray:

@@ -129,11 +129,15 @@ def test_forget_leaves_what_a_fresh_run_without_the_devices_gives(spark, tmp_pat
     assert sorted(forgot_changes.n_points.dropna()) == sorted(fresh_changes.n_points.dropna())
 
 
-def test_forget_then_vacuum_leaves_no_file_that_holds_the_device(spark, capsys, config_after_first_run, tmp_path):
-    """Devices no run holds change nothing; an unknown run is refused in one line. After forget the device's
-    rows are deleted but their files stay in the tables' history; `maintain --vacuum` removes them once the
-    tables' retention has passed (here set to none)."""
-    out = tmp_path / "out"
+def test_forget_then_vacuum_leaves_no_file_that_holds_the_device(
+    spark, capsys, config_after_first_run, mixture_path, tmp_path
+):
+    """Devices no run holds change nothing; an unknown run is refused in one line. A run that labels with
+    another's model (assign) is labelled again with that model as published without the device, as assign
+    over its input without the device labels it, and refused while that model still holds the device. After
+    forget the device's rows are deleted but their files stay in the tables' history; `maintain --vacuum`
+    removes them once the tables' retention has passed (here set to none)."""
+    config, out = config_after_first_run, tmp_path / "out"
     attempts = [r.attempt_id for r in runs_of(spark, out)]
     assert main(["forget", "--output", str(out), "--device", "12345", "--all-runs"]) == 0
     assert "nothing to forget" in capsys.readouterr().out
@@ -141,34 +145,40 @@ def test_forget_then_vacuum_leaves_no_file_that_holds_the_device(spark, capsys, 
     assert main(["forget", "--output", str(out), "--device", "3", "--run", "nope"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"kfed-spark: error: no published run 'nope' under {out}"
 
-    def files_holding_device_3():  # of run first
-        return [
-            path
-            for name in ("labels", "local_centers", "device_clusters")
-            for path in (out / name).glob("run_id=first/*/*.parquet")
-            if 3 in pq.read_table(path, columns=["device_id"]).column("device_id").to_pylist()
-        ]
+    def assign(run_id, *settings):
+        overrides = [arg for item in (f"run_id={run_id}", *settings) for arg in ("--set", item)]
+        return main(["assign", "--model-run", "first", "--config", str(config), *overrides])
 
-    # A run that labels with another run's model is refused before anything is written.
-    assign = ["assign", "--model-run", "first", "--config", str(config_after_first_run), "--set", "run_id=assigned"]
-    assert main(assign) == 0
+    assert assign("assigned") == 0
     attempts = [r.attempt_id for r in runs_of(spark, out)]
-    assert main(["forget", "--output", str(out), "--device", "3", "--all-runs"]) == 2
-    assert (
-        capsys.readouterr()
-        .err.strip()
-        .splitlines()[-1]
-        .startswith(
-            "kfed-spark: error: run 'assigned' labelled its rows with the model of first, and forget does not rewrite"
-        )
+    assert main(["forget", "--output", str(out), "--device", "3", "--run", "assigned"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "kfed-spark: error: run 'assigned' takes the model of first, which holds the devices too: forget them there "
+        "too (--all-runs)"
     )
     assert [r.attempt_id for r in runs_of(spark, out)] == attempts
 
-    assert main(["forget", "--output", str(out), "--device", "3", "--run", "first"]) == 0
-    assert len(files_holding_device_3()) >= 3  # deleted rows, in the tables' history
+    def files_holding_device_3():
+        return [
+            path
+            for name in ("labels", "local_centers", "device_clusters")
+            for path in (out / name).glob("run_id=*/attempt_id=*/*.parquet")
+            if 3 in pq.read_table(path, columns=["device_id"]).column("device_id").to_pylist()
+        ]
+
+    assert main(["forget", "--output", str(out), "--device", "3", "--all-runs"]) == 0
+    without_3 = tmp_path / "without_3"
+    rows = pq.read_table(mixture_path)
+    write_parquet_folder(rows.filter(pa.compute.not_equal(rows.column("device_id"), 3)), without_3)
+    assert assign("again", f"input.path={without_3}") == 0
+    labels = published(spark, out, "labels").toPandas()
+    forgot, again = (labels[labels.run_id == r].set_index("row_id").sort_index() for r in ("assigned", "again"))
+    assert len(forgot) == N_ROWS - MIXTURE["points_per_device"] and forgot.index.equals(again.index)
+    assert forgot.cluster_id.equals(again.cluster_id) and np.allclose(forgot.distance, again.distance)
+
+    assert len(files_holding_device_3()) >= 6  # deleted rows, in the tables' history
     for name in DATA_TABLES:
         retention = "'delta.deletedFileRetentionDuration' = 'interval 0 hours'"
         spark.sql(f"ALTER TABLE delta.`{out / name}` SET TBLPROPERTIES ({retention})")
     assert main(["maintain", "--output", str(out), "--vacuum"]) == 0
     assert files_holding_device_3() == []
-    assert published(spark, out, "labels").filter("run_id = 'first'").count() == N_ROWS - MIXTURE["points_per_device"]
