@@ -5,7 +5,8 @@ run() is the job: validate (the location's checks and the runs rows read beside 
 ids (kfed_spark.identity) --> labels (one pass over the input, which also gathers the evaluation and
 the report's sample; the centers are written beside it) --> device profiles, cluster changes and
 quarantine (the report drawn beside them) --> publish (one commit of the attempt's runs row;
-kfed_spark.attempts). Delta I/O is in kfed_spark.io.
+kfed_spark.attempts). Delta I/O is in kfed_spark.io. `kfed-spark forget` (kfed_spark.forget) appends and
+publishes its attempts through write_attempt too.
 """
 
 from __future__ import annotations
