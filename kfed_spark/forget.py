@@ -85,7 +85,8 @@ class Forgotten:
 def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) -> list[Forgotten]:
     """Take the devices (ids as text) out of the published run run_id, or of every published run (None):
     one new attempt per run that holds any of them, the runs in the order they finished (a reference
-    run before the runs matched to it). Then the superseded attempts' rows are deleted."""
+    run before the runs matched to it), a run whose model another takes before that one (models_first).
+    Then the superseded attempts' rows are deleted."""
     ledger = Ledger(tables)
     known = ledger.rows_if_any()
     published = published_attempts(known)
