@@ -368,6 +368,15 @@ class LocalCenters:
         except ValueError as exc:  # k above the distinct local centers, or below a device's count with farthest
             raise KFedError(f"the k sweep cannot run: {exc}") from None
 
+    def joined(
+        self, new: "LocalCenters", assignment: np.ndarray, centers: np.ndarray
+    ) -> tuple["LocalCenters", np.ndarray]:
+        """These local centers (each in the global cluster `assignment` gives) and the new ones after them, each
+        new one in the cluster of its nearest center: how a model takes devices it has not seen."""
+        table = pa.concat_tables([self.table, new.table.cast(self.table.schema)])
+        joined = nearest_center(new.centers, centers)[0] if len(new.counts) else np.zeros(0, dtype=assignment.dtype)
+        return LocalCenters.from_arrow(table, centers.shape[1]), np.concatenate([assignment, joined])
+
     def label_model(
         self,
         assignment: np.ndarray,
@@ -459,8 +468,7 @@ def extend_with_new_devices(
         return local, assignment
     new = collect_local_centers(new_rows, cfg, dim, device_type)
     log.info("%d devices the model had not seen: %d local centers", len(np.unique(new.devices)), len(new.counts))
-    table = pa.concat_tables([local.table, new.table.cast(local.table.schema)])
-    return LocalCenters.from_arrow(table, dim), np.concatenate([assignment, nearest_center(new.centers, centers)[0]])
+    return local.joined(new, assignment, centers)
 
 
 def labelled_plan(rows: DataFrame, cfg: KFedConfig, model: LabelModel, dim: int) -> DataFrame:

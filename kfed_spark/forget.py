@@ -60,7 +60,7 @@ from kfed_spark.identity import (
 )
 from kfed_spark.io import OutputTables, attempt_filter, concurrently
 from kfed_spark.job import LabelledRows, k_sweep_column, package_versions, write_attempt
-from kfed_spark.kernels import ServerClustering, nearest_center
+from kfed_spark.kernels import ServerClustering
 from kfed_spark.models import SAVED_MODEL_ORIGIN, StoredModel, attempt_model, finished_model, reference_run
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.tables import ADDED_COLUMNS, RunRecord, output_schemas, stats_columns
@@ -152,9 +152,9 @@ def with_parent_model(tables: OutputTables, row: RunRecord, local: LocalCenters,
         raise KFedError(f"the model of {row.parent_run_id} still holds the devices: forget them there too")
     known = pc.cast(parent.local.column("device_id"), pa.string())
     own = local.table.filter(pc.invert(pc.is_in(pc.cast(local.table.column("device_id"), pa.string()), known)))
-    merged = LocalCenters.from_arrow(pa.concat_tables([parent.local, own.cast(parent.local.schema)]), parent.dim)
-    joined = nearest_center(LocalCenters.from_arrow(own, parent.dim).centers, parent.centers)[0] if len(own) else []
-    assignment = np.concatenate([parent.assignment, np.asarray(joined, dtype=parent.assignment.dtype)])
+    merged, assignment = LocalCenters.from_arrow(parent.local, parent.dim).joined(
+        LocalCenters.from_arrow(own, parent.dim), parent.assignment, parent.centers
+    )
     return merged, ServerClustering(parent.centers, assignment, None, 0), parent.cluster_ids
 
 
