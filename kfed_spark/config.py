@@ -179,6 +179,11 @@ def build_config(raw: dict[str, Any]) -> KFedConfig:
             if not isinstance(value, dict):
                 raise ConfigError(f"config section {key!r} must be a mapping")
             values[key] = _section(key, SECTIONS[key], value)
+        elif key == "privacy" and isinstance(value, dict):  # privacy.epsilon: the parameter privacy_epsilon
+            for name, setting in value.items():
+                if f"privacy_{name}" not in _field_names(KFedConfig):
+                    raise ConfigError(f"unknown config key 'privacy.{name}'; known: epsilon, delta, bounds, rounds")
+                values[f"privacy_{name}"] = setting
         elif key in _field_names(KFedConfig):
             values[key] = value
         else:

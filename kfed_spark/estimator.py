@@ -59,6 +59,16 @@ def _int_pair(value: object) -> tuple[int, int]:
     return tuple(TypeConverters.toListInt(value))
 
 
+def _optional_float(value: object) -> float | None:
+    """privacy_epsilon: a number, or None (no privacy)."""
+    return None if value is None else TypeConverters.toFloat(value)
+
+
+def _float_pair(value: object) -> tuple[float, float] | None:
+    """privacy_bounds: two numbers, or None."""
+    return None if value is None else tuple(TypeConverters.toListFloat(value))
+
+
 ALGORITHM_PARAMS = {camel(spec.name): spec for spec in fields(AlgorithmParams)}
 """Estimator Param name -> the row of kfed_spark.params it stands for."""
 
@@ -200,7 +210,38 @@ class _KFedParams(Params):
     seed: Param[int] = Param(
         Params._dummy(),
         "seed",
-        "seed of every random draw, with the device id.",
+        "seed of every random draw, with the device id (the privacy noise excepted).",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    privacyEpsilon: Param[float | None] = Param(
+        Params._dummy(),
+        "privacyEpsilon",
+        "null (no privacy), or the epsilon of the per-row differential privacy of what each device "
+        "shares: its local step becomes privacy_rounds noisy Lloyd rounds in the box privacy_bounds "
+        "(README: Differential privacy); needs a fixed k and k_per_device.",
+        typeConverter=_optional_float,
+    )
+
+    privacyDelta: Param[float] = Param(
+        Params._dummy(),
+        "privacyDelta",
+        "with privacy_epsilon: the delta of the guarantee.",
+        typeConverter=TypeConverters.toFloat,
+    )
+
+    privacyBounds: Param[tuple[float, float] | None] = Param(
+        Params._dummy(),
+        "privacyBounds",
+        "with privacy_epsilon: [LO, HI], the range every feature is clipped into, known without looking "
+        "at the rows (the noise grows with HI - LO).",
+        typeConverter=_float_pair,
+    )
+
+    privacyRounds: Param[int] = Param(
+        Params._dummy(),
+        "privacyRounds",
+        "with privacy_epsilon: the noisy Lloyd rounds of each device, which share the budget.",
         typeConverter=TypeConverters.toInt,
     )
 
@@ -265,6 +306,10 @@ class _KFedParams(Params):
             tol=1e-08,
             maxRowsPerDevice=100000,
             seed=0,
+            privacyEpsilon=None,
+            privacyDelta=1e-06,
+            privacyBounds=None,
+            privacyRounds=3,
             deviceCol="device_id",
             featuresCol="features",
             predictionCol="prediction",
@@ -323,6 +368,18 @@ class _KFedParams(Params):
 
     def getSeed(self) -> int:
         return self.getOrDefault(self.seed)
+
+    def getPrivacyEpsilon(self) -> float | None:
+        return self.getOrDefault(self.privacyEpsilon)
+
+    def getPrivacyDelta(self) -> float:
+        return self.getOrDefault(self.privacyDelta)
+
+    def getPrivacyBounds(self) -> tuple[float, float] | None:
+        return self.getOrDefault(self.privacyBounds)
+
+    def getPrivacyRounds(self) -> int:
+        return self.getOrDefault(self.privacyRounds)
 
     def getDeviceCol(self) -> str:
         return self.getOrDefault(self.deviceCol)
@@ -384,6 +441,10 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         tol: float = 1e-08,
         maxRowsPerDevice: int = 100000,
         seed: int = 0,
+        privacyEpsilon: float | None = None,
+        privacyDelta: float = 1e-06,
+        privacyBounds: tuple[float, float] | None = None,
+        privacyRounds: int = 3,
         deviceCol: str = "device_id",
         featuresCol: str = "features",
         predictionCol: str = "prediction",
@@ -417,6 +478,10 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
         tol: float = 1e-08,
         maxRowsPerDevice: int = 100000,
         seed: int = 0,
+        privacyEpsilon: float | None = None,
+        privacyDelta: float = 1e-06,
+        privacyBounds: tuple[float, float] | None = None,
+        privacyRounds: int = 3,
         deviceCol: str = "device_id",
         featuresCol: str = "features",
         predictionCol: str = "prediction",
@@ -487,6 +552,18 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
 
     def setSeed(self, value: int) -> KFed:
         return self._set(seed=value)
+
+    def setPrivacyEpsilon(self, value: float | None) -> KFed:
+        return self._set(privacyEpsilon=value)
+
+    def setPrivacyDelta(self, value: float) -> KFed:
+        return self._set(privacyDelta=value)
+
+    def setPrivacyBounds(self, value: tuple[float, float] | None) -> KFed:
+        return self._set(privacyBounds=value)
+
+    def setPrivacyRounds(self, value: int) -> KFed:
+        return self._set(privacyRounds=value)
 
     def setDeviceCol(self, value: str) -> KFed:
         return self._set(deviceCol=value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -358,7 +359,7 @@ class LocalCenters:
             ids=table.column("local_cluster_id").to_numpy(),
             centers=feature_matrix(table.column("center"), dim),
             counts=table.column("n_points").to_numpy(),
-            sse=table.column("sse").to_numpy(),
+            sse=np.nan_to_num(table.column("sse").to_numpy()),  # a private device shares no SSE (NaN): none
         )
 
     def sweep(self, ks: list[int], params: AlgorithmParams) -> KSweep:
@@ -406,6 +407,7 @@ def local_centers_frame(valid: DataFrame, cfg: KFedConfig, dim: int, device_type
         dim,
         to_arrow_type(device_type),
         k_source="fixed" if fixed else "auto" if cfg.k_per_device == "auto" else "column",
+        noise_key=None if cfg.privacy_epsilon is None else secrets.randbits(128),
         task_fault=faults.task_fault(),
     )
     schema = StructType([StructField("device_id", device_type, False), *LOCAL_CENTER_FIELDS])

@@ -611,6 +611,8 @@ def attempt_row(
             "local_restarts": cfg.local_restarts,
             "robust_min_size": float(cfg.robust_min_size),
             "min_center_points": cfg.min_center_points,
+            "privacy_epsilon": None if cfg.privacy_epsilon is None else float(cfg.privacy_epsilon),
+            "privacy_delta": None if cfg.privacy_epsilon is None else float(cfg.privacy_delta),
             "timings": {},
             "config": json.dumps(as_dict(cfg), sort_keys=True),
             "versions": package_versions(),

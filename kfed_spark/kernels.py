@@ -16,12 +16,14 @@ spread, and shifting or scaling the features changes no label.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from kfed_spark.params import DEFAULTS, SEEDINGS, AlgorithmParams
+from kfed_spark.privacy import NoiseScales, noisy_cluster_sums
 
 MARGIN = 3.0
 """Alg. 1 keeps a point for a rough center r when it is MARGIN times closer to r than to any other."""
@@ -38,6 +40,9 @@ rounding residue of equal rows, not distance."""
 
 DISTANCE_CHUNK_ELEMENTS = 1 << 22
 """Distance matrices are built in row chunks of at most this many entries (32 MiB of float64)."""
+
+SPLIT_STEP = 1e-6
+"""The private local step splits a center by moving its copy this fraction of the box's half-width."""
 
 LABEL_CHUNK_ROWS = 1 << 16
 """federated_kmeans labels this many rows at a time, as a worker labels one Arrow batch."""
@@ -64,12 +69,24 @@ class ServerClustering:
 
 def device_rng(seed: int, device_id: object) -> np.random.Generator:
     """A generator seeded from (run seed, device id) alone, so partitioning and retries do not matter."""
+    return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, *_device_words(device_id)])
+
+
+def noise_rng(noise_key: int, device_id: object) -> np.random.Generator:
+    """The generator of a device's privacy noise: seeded from (the run's secret 128-bit noise key, device id).
+
+    The one draw not seeded from the run seed: the seed is published in the runs table, and noise
+    anyone can draw again is noise anyone can subtract."""
+    key_words = [(noise_key >> shift) & 0xFFFFFFFF for shift in range(0, 128, 32)]
+    return np.random.default_rng([*key_words, *_device_words(device_id)])
+
+
+def _device_words(device_id: object) -> tuple[int, int]:
+    """A device id as (tag, 64-bit key): integers as themselves, anything else by a hash of its text."""
     if isinstance(device_id, (int, np.integer)):
-        tag, key = 0, int(device_id) & 0xFFFFFFFFFFFFFFFF
-    else:
-        digest = hashlib.blake2b(str(device_id).encode("utf-8"), digest_size=8).digest()
-        tag, key = 1, int.from_bytes(digest, "little")
-    return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, tag, key])
+        return 0, int(device_id) & 0xFFFFFFFFFFFFFFFF
+    digest = hashlib.blake2b(str(device_id).encode("utf-8"), digest_size=8).digest()
+    return 1, int.from_bytes(digest, "little")
 
 
 def plain(value: object) -> object:
@@ -308,6 +325,65 @@ def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: Algorith
     sse = np.bincount(labels, weights=weights * sq_dist, minlength=k)
     keep = mass > 0
     return LocalClustering(centers[keep] + origin, mass[keep].astype(np.int64), sse[keep])
+
+
+def private_local_step(
+    x: np.ndarray, k: int, rng: np.random.Generator, noise: np.random.Generator, params: AlgorithmParams
+) -> LocalClustering:
+    """The local step in alg. 1's place when privacy_epsilon is set: what it shares is
+    (privacy_epsilon, privacy_delta)-differentially private per row (kfed_spark.privacy).
+
+    Rows are clipped into the box of privacy_bounds. privacy_rounds noisy Lloyd rounds follow, each
+    moving every center to its cluster's noisy sum over its noisy count, clipped into the box; a
+    center whose noisy count is under 1 stays where it was and shares a count of 0. The centers
+    start as one, at the box's center, and double before each round (split along random directions
+    from rng, the run seed's; the heaviest split first) until there are k, all k by the last round:
+    bisecting, so that no starting center is placed by looking at the rows. The counts shared are
+    the last round's, rounded; the SSE is not shared (NaN).
+    """
+    low, high = params.privacy_bounds
+    middle, half = (low + high) / 2, (high - low) / 2
+    rows = np.clip(x, low, high) - middle
+    norms = np.einsum("ij,ij->i", rows, rows)
+    scales = NoiseScales.of(
+        params.privacy_epsilon, params.privacy_delta, params.privacy_rounds, (low, high), x.shape[1]
+    )
+    centers, counts = np.zeros((1, x.shape[1])), np.zeros(1)
+    for round_ in range(params.privacy_rounds):
+        wanted = k if round_ == params.privacy_rounds - 1 else min(k, 2**round_)
+        centers = _split(centers, counts, wanted, half, rng)
+        labels, _ = _nearest(rows, norms, centers)
+        sums, counts = noisy_cluster_sums(rows, labels, len(centers), scales, noise)
+        moved = counts >= 1
+        centers[moved] = np.clip(sums[moved] / counts[moved, None], -half, half)
+    shared_counts = np.where(moved, np.rint(counts), 0).astype(np.int64)
+    return LocalClustering(centers + middle, shared_counts, np.full(len(centers), np.nan))
+
+
+def _split(centers: np.ndarray, counts: np.ndarray, wanted: int, half: float, rng: np.random.Generator) -> np.ndarray:
+    """centers plus copies of the heaviest ones (by counts, in turn), each moved a hair along a random
+    direction, until there are `wanted`: the next assignment cuts each split cluster by a random
+    hyperplane through its center."""
+    if len(centers) >= wanted:
+        return centers
+    order = np.argsort(-counts, kind="stable")
+    parents = order[np.arange(wanted - len(centers)) % len(centers)]
+    directions = rng.standard_normal((len(parents), centers.shape[1]))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    return np.concatenate([centers, centers[parents] + SPLIT_STEP * half * directions])
+
+
+def device_local_step(
+    x: np.ndarray, k: int, device: object, params: AlgorithmParams, noise_key: int | None = None
+) -> LocalClustering:
+    """One device's local centers, before shared_centers: alg. 1, or with privacy_epsilon set the
+    private local step, whose noise comes from noise_key (kernels.noise_rng)."""
+    rng = device_rng(params.seed, device)
+    if params.privacy_epsilon is None:
+        return local_step(x, k, rng, params)
+    if noise_key is None:
+        raise ValueError("a private local step needs the run's noise key")
+    return private_local_step(x, k, rng, noise_rng(noise_key, device), params)
 
 
 def shared_centers(result: LocalClustering, min_points: int) -> LocalClustering:
@@ -868,9 +944,14 @@ class DeviceClusterings:
     sse: np.ndarray  # (m,)
 
 
-def local_clusterings(x: np.ndarray, devices: np.ndarray, params: AlgorithmParams = DEFAULTS) -> DeviceClusterings:
+def local_clusterings(
+    x: np.ndarray, devices: np.ndarray, params: AlgorithmParams = DEFAULTS, noise_key: int | None = None
+) -> DeviceClusterings:
     """Alg. 1 on every device's rows, with params' k_per_device (a number or "auto": each device's
-    estimate_local_k, at most min(largest_k, k_per_device_max)), local_restarts, max_iter, tol and seed."""
+    estimate_local_k, at most min(largest_k, k_per_device_max)), local_restarts, max_iter, tol and seed;
+    with privacy_epsilon set, the private local step with noise from noise_key (or a fresh one)."""
+    if params.privacy_epsilon is not None and noise_key is None:
+        noise_key = secrets.randbits(128)
     order = np.argsort(devices, kind="stable")
     keys, starts = np.unique(devices[order], return_index=True)
     ends = np.append(starts[1:], len(order))
@@ -882,7 +963,7 @@ def local_clusterings(x: np.ndarray, devices: np.ndarray, params: AlgorithmParam
             if params.k_per_device == "auto"
             else params.k_per_device
         )
-        found = local_step(rows, k_z, device_rng(params.seed, plain(key)), params)
+        found = device_local_step(rows, k_z, plain(key), params, noise_key)
         results.append(shared_centers(found, params.min_center_points))
     per_device = np.array([len(r.counts) for r in results])
     return DeviceClusterings(

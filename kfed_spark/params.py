@@ -45,6 +45,33 @@ def finite_number(value: object) -> str | None:
     return None
 
 
+def optional_epsilon(value: object) -> str | None:
+    """privacy_epsilon: null (no privacy) or a finite number > 0."""
+    if value is None or (finite_number(value) is None and value > 0):
+        return None
+    return "null or a finite number > 0"
+
+
+def probability(value: object) -> str | None:
+    if finite_number(value) is None and 0 < value < 1:
+        return None
+    return "a number in (0, 1)"
+
+
+def feature_bounds(value: object) -> str | None:
+    """privacy_bounds: null, or [LO, HI], the range every feature is clipped into."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) for v in value)
+        and value[0] < value[1]
+    ):
+        return None
+    return "null or [LO, HI] with LO < HI"
+
+
 def one_of(*choices: str) -> Constraint:
     def check(value: object) -> str | None:
         return None if value in choices else f"one of {', '.join(choices)}"
@@ -152,7 +179,24 @@ class AlgorithmParams:
         "a larger device is clustered on a deterministic sample of this many rows (memory: rows x d x 8 bytes); "
         "all its rows are labelled",
     )
-    seed: int = param(0, integer(0), "seed of every random draw, with the device id")
+    seed: int = param(0, integer(0), "seed of every random draw, with the device id (the privacy noise excepted)")
+    privacy_epsilon: float | None = param(
+        None,
+        optional_epsilon,
+        "null (no privacy), or the epsilon of the per-row differential privacy of what each device shares: "
+        "its local step becomes privacy_rounds noisy Lloyd rounds in the box privacy_bounds (README: Differential "
+        "privacy); needs a fixed k and k_per_device",
+    )
+    privacy_delta: float = param(1e-6, probability, "with privacy_epsilon: the delta of the guarantee")
+    privacy_bounds: tuple[float, float] | None = param(
+        None,
+        feature_bounds,
+        "with privacy_epsilon: [LO, HI], the range every feature is clipped into, known without looking at "
+        "the rows (the noise grows with HI - LO)",
+    )
+    privacy_rounds: int = param(
+        3, integer(1), "with privacy_epsilon: the noisy Lloyd rounds of each device, which share the budget"
+    )
 
     @classmethod
     def of(cls, settings: object) -> "AlgorithmParams":
@@ -160,8 +204,9 @@ class AlgorithmParams:
         return cls(**{spec.name: getattr(settings, spec.name) for spec in fields(cls)})
 
     def __post_init__(self) -> None:
-        if isinstance(self.k_range, list):  # as YAML and JSON give it: [2, 30]
-            object.__setattr__(self, "k_range", tuple(self.k_range))
+        for name in ("k_range", "privacy_bounds"):
+            if isinstance(getattr(self, name), list):  # as YAML and JSON give it: [2, 30]
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @classmethod
     def of_config(cls, config: dict) -> "AlgorithmParams":
@@ -184,6 +229,14 @@ class AlgorithmParams:
         smallest, what = (self.k_range[0], "the smallest k of k_range") if self.k == "auto" else (self.k, "k")
         if not isinstance(self.k_per_device, str) and self.k_per_device > smallest:
             raise ConfigError(f"k_per_device ({self.k_per_device}) must not exceed {what} ({smallest})")
+        if self.privacy_epsilon is not None:
+            if self.privacy_bounds is None:
+                raise ConfigError("privacy_epsilon needs privacy_bounds: [LO, HI], the range of every feature")
+            if "auto" in (self.k, self.k_per_device):
+                raise ConfigError(
+                    "privacy_epsilon needs a fixed k and k_per_device: choosing them reads the rows, which "
+                    "would spend budget the guarantee does not count"
+                )
 
 
 DEFAULTS = AlgorithmParams()

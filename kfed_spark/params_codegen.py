@@ -29,6 +29,8 @@ CONVERTERS = {
     "str": "TypeConverters.toString",
     "int | str": "_int_or_text",
     "tuple[int, int]": "_int_pair",
+    "float | None": "_optional_float",
+    "tuple[float, float] | None": "_float_pair",
 }
 """The Param type converter of each annotation the parameter table uses."""
 

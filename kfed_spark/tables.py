@@ -111,6 +111,9 @@ COLUMN_COMMENTS = {
     "n_devices_held_back": "devices that shared no local center: their rows took the nearest global center; null "
     "for a run that takes a model",
     "forgotten_devices": "devices `kfed-spark forget` took out of the run up to this attempt (null: none)",
+    "privacy_epsilon": "the budget each device spent: its shared local centers and counts are (epsilon, delta)-"
+    "differentially private per row (README: Differential privacy); null: no privacy",
+    "privacy_delta": "the delta of that guarantee; null: no privacy",
     "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
     "ari": "adjusted Rand index against the truth column, if the input has one",
     "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
@@ -330,6 +333,8 @@ class RunRecord:
     n_rows_held_back: int | None = _column(LongType())
     n_devices_held_back: int | None = _column(LongType())
     forgotten_devices: int | None = _column(IntegerType())
+    privacy_epsilon: float | None = _column(DoubleType())
+    privacy_delta: float | None = _column(DoubleType())
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> RunRecord:

@@ -16,9 +16,9 @@ from kfed_spark.evaluation import EvaluationSpec, PartitionEvaluation
 from kfed_spark.kernels import (
     LabelModel,
     LocalClustering,
+    device_local_step,
     device_rng,
     estimate_local_k,
-    local_step,
     nearest_center,
     representatives,
     row_hashes,
@@ -80,6 +80,8 @@ class LocalStepSpec:
     dim: int
     device_type: pa.DataType
     k_source: str = "fixed"
+    noise_key: int | None = None
+    """With privacy_epsilon: the run's secret key of the privacy noise (kernels.noise_rng), never written."""
     task_fault: str | None = None
     """Test-only (kfed_spark.faults): 'fail_first_attempt' or 'stall' in every local-step task."""
 
@@ -169,8 +171,9 @@ def _task_fault(fault: str) -> None:
 def _cluster(device: object, k: int, x: np.ndarray, seen: int, spec: LocalStepSpec) -> LocalClustering:
     if spec.k_source == "auto":
         k = estimate_local_k(x, spec.k)
-    result = local_step(x, k, device_rng(spec.params.seed, device), spec.params)
-    if seen != len(x):  # clustered on a sample: the counts and SSE of all its rows
+    result = device_local_step(x, k, device, spec.params, spec.noise_key)
+    if seen != len(x) and spec.noise_key is None:  # clustered on a sample: the counts and SSE of all its rows
+        # (a private device shares its sample's noisy counts: the number of its rows is not released)
         result = LocalClustering(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
     return shared_centers(result, spec.params.min_center_points)
 

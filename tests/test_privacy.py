@@ -1,0 +1,129 @@
+"""Differential privacy of what a device shares (kfed_spark.privacy, kernels.private_local_step)."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from scipy import integrate, stats
+
+from helpers import MIXTURE, N_ROWS, labels_of, published, run_cli, runs_of
+from kfed_spark.bench.synthetic import mixture
+from kfed_spark.config import load_config
+from kfed_spark.errors import ConfigError
+from kfed_spark.kernels import federated_kmeans, local_clusterings, private_local_step
+from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.params import AlgorithmParams
+from kfed_spark.privacy import NoiseScales, gdp_mu, noisy_cluster_sums
+from kfed_spark.workers import feature_matrix
+
+
+def privacy_loss_delta(epsilon: float, mu: float) -> float:
+    """delta(epsilon) of a mechanism whose privacy loss is N(mu^2 / 2, mu^2) (a Gaussian mechanism's, and a
+    composition of them), integrated numerically: E[(1 - e^(epsilon - L))+] over L."""
+    loss = stats.norm(mu**2 / 2, mu)
+    value, _ = integrate.quad(lambda v: (1 - math.exp(epsilon - v)) * loss.pdf(v), epsilon, mu**2 / 2 + 40 * mu)
+    return value
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("epsilon, delta, rounds, dim", [(1.0, 1e-6, 3, 8), (0.3, 1e-5, 5, 2), (8.0, 1e-6, 1, 64)])
+def test_the_noise_has_the_stated_scale_and_spends_the_budget_exactly(epsilon, delta, rounds, dim):
+    """Over many seeds, the released sums and counts of fixed clusters differ from the exact ones by zero-mean
+    noise of the stated standard deviations; one row in the box moves a round's statistics by at most the
+    stated sensitivity; with those deviations, `rounds` rounds are (epsilon, delta)-DP and no more, by the
+    privacy loss integrated numerically (not by the closed form the calibration uses)."""
+    bounds = (-2.0, 3.0)
+    scales = NoiseScales.of(epsilon, delta, rounds, bounds, dim)
+    rng = np.random.default_rng(0)
+    rows = np.clip(rng.normal(0.5, 2.0, (200, dim)), *bounds) - 0.5  # clipped, about the box's center
+    labels = rng.integers(0, 4, len(rows))
+    exact_sums = np.stack([rows[labels == j].sum(axis=0) for j in range(4)])
+    exact_counts = np.bincount(labels, minlength=4)
+    released = [noisy_cluster_sums(rows, labels, 4, scales, np.random.default_rng(seed)) for seed in range(3000)]
+    sum_noise = np.stack([sums for sums, _ in released]) - exact_sums
+    count_noise = np.stack([counts for _, counts in released]) - exact_counts
+    for noise, sigma in ((sum_noise, scales.sum_sigma), (count_noise, scales.count_sigma)):
+        assert abs(noise.mean()) < 4 * sigma / math.sqrt(noise.size)
+        assert noise.std() == pytest.approx(sigma, rel=4 / math.sqrt(noise.size))
+    corner = np.full(dim, bounds[1]) - 0.5  # the farthest a row in the box is from its center
+    assert np.linalg.norm(corner) == pytest.approx(scales.radius)
+    measured_mu = math.sqrt(rounds * ((scales.radius / sum_noise.std()) ** 2 + 1 / count_noise.std() ** 2))
+    assert measured_mu == pytest.approx(scales.mu, rel=0.01)
+    assert privacy_loss_delta(epsilon, scales.mu) == pytest.approx(delta, rel=1e-3)
+    assert privacy_loss_delta(epsilon, scales.mu * 1.05) > 1.1 * delta  # a little less noise would overspend
+
+
+@pytest.mark.fast
+def test_a_row_outside_the_box_counts_as_its_clipped_self_and_the_noise_is_not_the_run_seed_s():
+    x = np.random.default_rng(1).normal(0.0, 1.0, (120, 3))
+    params = AlgorithmParams(k=4, k_per_device=3, privacy_epsilon=2.0, privacy_bounds=(-4.0, 4.0))
+    far, clipped = x.copy(), x.copy()
+    far[0], clipped[0] = [1e9, -1e9, 0.5], [4.0, -4.0, 0.5]
+    runs = [
+        private_local_step(rows, 3, np.random.default_rng(5), np.random.default_rng(6), params)
+        for rows in (far, clipped)
+    ]
+    assert np.array_equal(runs[0].centers, runs[1].centers) and np.array_equal(runs[0].counts, runs[1].counts)
+    assert np.all(np.abs(runs[0].centers) <= 4.0) and np.isnan(runs[0].sse).all()
+    devices = np.repeat(np.arange(4), 30)
+    same_key = [local_clusterings(x, devices, params, noise_key=7).centers for _ in range(2)]
+    assert np.array_equal(*same_key)  # the noise is drawn from the key and the device
+    fresh_keys = [local_clusterings(x, devices, params).centers for _ in range(2)]
+    assert not np.array_equal(*fresh_keys)  # the same seed, a fresh secret key: other noise
+
+
+@pytest.mark.fast
+def test_shifting_or_scaling_the_features_with_their_bounds_changes_no_label():
+    table = mixture(k=6, k_per_device=2, devices=30, points_per_device=80, dim=4, seed=2)
+    x, devices = feature_matrix(table.column("features")), table.column("device_id").to_numpy()
+    low, high = float(x.min()), float(x.max())
+    params = AlgorithmParams(k=6, k_per_device=2, privacy_epsilon=4.0, privacy_bounds=(low, high), label_mode="nearest")
+    base = federated_kmeans(x, devices, params, local_clusterings(x, devices, params, noise_key=3))
+    moved_params = dataclasses.replace(params, privacy_bounds=(low * 100 + 1e4, high * 100 + 1e4))
+    moved_x = x * 100 + 1e4
+    moved = federated_kmeans(moved_x, devices, moved_params, local_clusterings(moved_x, devices, moved_params, 3))
+    assert np.array_equal(base.labels, moved.labels)
+    assert adjusted_rand_index(table.column("true_cluster").to_numpy(), base.labels) > 0.9
+
+
+@pytest.mark.fast
+def test_privacy_needs_bounds_and_a_fixed_k_and_is_spelled_as_a_section(tmp_path):
+    common = ["input.path=/in", "output.path=/out", "k=5", "k_per_device=2"]
+    cfg = load_config(None, [*common, "privacy.epsilon=1.5", "privacy.bounds=[0, 255]", "privacy.rounds=4"])
+    assert (cfg.privacy_epsilon, cfg.privacy_bounds, cfg.privacy_rounds, cfg.privacy_delta) == (1.5, (0, 255), 4, 1e-6)
+    for overrides, message in (
+        (["privacy.epsilon=1"], "privacy_epsilon needs privacy_bounds"),
+        (["privacy.epsilon=1", "privacy.bounds=[0, 1]", "k=auto"], "privacy_epsilon needs a fixed k and k_per_device"),
+        (["privacy.epsilon=0"], "privacy_epsilon must be null or a finite number > 0, got 0"),
+        (["privacy.bounds=[1, 1]"], "privacy_bounds must be null or [LO, HI] with LO < HI"),
+        (["privacy.budget=1"], "unknown config key 'privacy.budget'"),
+    ):
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+            load_config(None, [*common, *overrides])
+    assert gdp_mu(1.0, 1e-6) < gdp_mu(2.0, 1e-6) < gdp_mu(2.0, 1e-3)  # more budget, less noise
+
+
+@pytest.mark.spark
+def test_a_private_run_records_its_budget_and_shares_noisy_centers(spark, config):
+    """The Spark job's local step is the private one: its published local centers hold at least
+    min_center_points rows each and no SSE, differ from the numpy kernel's with the same seed (the noise
+    is not the seed's), and the runs row records the budget."""
+    out = config.parent / "out"
+    bounds = "privacy.bounds=[-15, 15]"  # the mixture lies in [-13.7, 11.8]
+    assert run_cli(config, "privacy.epsilon=8", bounds, "label_mode=nearest") == 0
+    (run,) = runs_of(spark, out)
+    assert (run.privacy_epsilon, run.privacy_delta) == (8.0, 1e-6)
+    local = published(spark, out, "local_centers").toPandas()
+    assert local.n_points.min() >= 3 and local.sse.isna().all()
+    labels = labels_of(spark, out, "first").select("cluster_id", "true_cluster").toPandas()
+    assert len(labels) == N_ROWS and adjusted_rand_index(labels.true_cluster, labels.cluster_id) > 0.9
+    table = mixture(**MIXTURE)
+    kernel = local_clusterings(
+        feature_matrix(table.column("features")),
+        table.column("device_id").to_numpy(),
+        load_config(config, ["privacy.epsilon=8", bounds]),
+    )
+    assert len(kernel.counts) != len(local) or not np.allclose(
+        np.sort(np.concatenate(local.center.to_list())), np.sort(kernel.centers.ravel())
+    )
