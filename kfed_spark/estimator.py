@@ -610,7 +610,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
 class KFedSummary:
     """Training summary, from the local statistics (no pass over the rows)."""
 
-    trainingCost: float  # k-means cost of the induced labels: local SSE plus n * |local - global|^2
+    trainingCost: float  # k-means cost of the induced labels: local SSE plus n * |local - global|^2 (NaN: privacy)
     clusterSizes: list[int]
     numDevices: int
     numLocalCenters: int

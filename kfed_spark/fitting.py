@@ -359,11 +359,13 @@ class LocalCenters:
             ids=table.column("local_cluster_id").to_numpy(),
             centers=feature_matrix(table.column("center"), dim),
             counts=table.column("n_points").to_numpy(),
-            sse=np.nan_to_num(table.column("sse").to_numpy()),  # a private device shares no SSE (NaN): none
+            sse=table.column("sse").to_numpy(),  # NaN where a private device shared none
         )
 
     def sweep(self, ks: list[int], params: AlgorithmParams) -> KSweep:
         """The server step for every k of ks over these local centers, with its figures (kfed_spark.k_sweep)."""
+        if np.isnan(self.sse).any():
+            raise KFedError("the k sweep needs every local center's SSE, which a private run's devices do not share")
         try:
             return sweep(self.centers, self.counts, self.sse, self.devices, self.ids, ks, params)
         except ValueError as exc:  # k above the distinct local centers, or below a device's count with farthest

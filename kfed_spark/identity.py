@@ -59,8 +59,9 @@ class ClusterSummary:
         a cluster's SSE is its local centers' SSEs plus each one's count times its squared distance to
         the global center (kernels.between_sse)."""
         k = len(centers)
+        within = np.nan_to_num(local_sse)  # a private device shares no SSE: its spread is its centers' alone
         sse = np.bincount(
-            assignment, weights=local_sse + between_sse(local_centers, local_counts, centers, assignment), minlength=k
+            assignment, weights=within + between_sse(local_centers, local_counts, centers, assignment), minlength=k
         )
         device_index = np.unique(local_devices, return_inverse=True)[1]
         pairs = np.unique(np.stack([assignment, device_index]), axis=1)

@@ -293,7 +293,7 @@ def write_attempt(
         )
         if iid:
             log.warning("run %s: %s", attempt.run_id, iid)
-        result = run_result(attempt, parent_run_id, tables, clustering, counted, timer)
+        result = run_result(attempt, parent_run_id, tables, clustering, counted, timer, cfg.privacy_epsilon is not None)
         row = row.changed(**result_columns(result))
         profiles = device_clusters_table(evaluation, clustering.local.table.schema.field("device_id").type)
         if cfg.report:
@@ -482,7 +482,10 @@ def run_result(
     clustering: Clustering,
     counted: LabelledRows,
     timer: StageTimer,
+    private: bool,
 ) -> RunResult:
+    """The run's figures; with private (privacy_epsilon) the shared counts are noisy, so the rows held back are
+    not known."""
     evaluation = counted.evaluation
     n_devices = evaluation.device_clusters.index.get_level_values(0).nunique()
     fitted = parent_run_id is None
@@ -495,7 +498,7 @@ def run_result(
         n_quarantined=counted.n_quarantined,
         n_devices=n_devices,
         n_local_centers=len(clustering.local.counts),
-        n_rows_held_back=counted.n_labelled - int(clustering.local.counts.sum()) if fitted else None,
+        n_rows_held_back=counted.n_labelled - int(clustering.local.counts.sum()) if fitted and not private else None,
         n_devices_held_back=n_devices - len(np.unique(clustering.local.devices)) if fitted else None,
         dim=clustering.dim,
         cost=counted.cost,

@@ -380,6 +380,11 @@ def _lines(report: dict) -> list[tuple[str, str]]:
             + f"seeding = {report['seeding']}, server_refine = {report['server_refine']}, "
             f"label_mode = {report['label_mode']}, seed = {report['seed']}, d = {report['dim']}",
         ),
+        *(
+            [("privacy", f"epsilon = {report['privacy_epsilon']:g}, delta = {report['privacy_delta']:g} per row")]
+            if report.get("privacy_epsilon") is not None
+            else []
+        ),
         ("k-means cost", f"{report['cost']:.6g} ({report['cost'] / max(report['n_labelled'], 1):.4g} per row)"),
         ("k_z per device", _describe(report["k_z"])),
         ("global clusters per device", _describe(report["clusters_per_device"])),

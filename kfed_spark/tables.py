@@ -107,7 +107,8 @@ COLUMN_COMMENTS = {
     "n_local_centers": "local centers the devices shared",
     "min_center_points": "fewest rows a shared local center stands for; null in rows of older versions",
     "n_rows_held_back": "rows of local clusters too small to share (min_center_points), labelled through the "
-    "device's nearest shared center or the nearest global one; null for a run that takes a model",
+    "device's nearest shared center or the nearest global one; null for a run that takes a model, and with "
+    "privacy_epsilon (the shared counts are noisy)",
     "n_devices_held_back": "devices that shared no local center: their rows took the nearest global center; null "
     "for a run that takes a model",
     "forgotten_devices": "devices `kfed-spark forget` took out of the run up to this attempt (null: none)",
@@ -149,7 +150,9 @@ TABLE_COLUMN_COMMENTS = {
     ("centers", "n_points"): "rows in the cluster",
     ("centers", "n_devices"): "devices with rows in the cluster",
     ("local_centers", "device_id"): "the device",
-    ("local_centers", "n_points"): "the device's rows in the local cluster",
+    ("local_centers", "n_points"): "the device's rows in the local cluster (with privacy_epsilon: its noisy count)",
+    ("local_centers", "sse"): "sum of squared distances of the local cluster's rows to its center; NaN with "
+    "privacy_epsilon (not shared)",
     ("local_centers", "cluster_id"): "the global cluster the local center joined",
     ("device_clusters", "device_id"): "the device",
     ("device_clusters", "cluster_id"): "a global cluster the device has labelled rows in",

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
-from helpers import MIXTURE, N_ROWS, labels_of, published, run_cli, runs_of
+from helpers import MIXTURE, N_ROWS, labels_of, published, report_folder, run_cli, runs_of
 from kfed_spark.bench.synthetic import mixture
+from kfed_spark.cli import main
 from kfed_spark.config import load_config
 from kfed_spark.errors import ConfigError
 from kfed_spark.kernels import federated_kmeans, local_clusterings, private_local_step
@@ -105,19 +106,25 @@ def test_privacy_needs_bounds_and_a_fixed_k_and_is_spelled_as_a_section(tmp_path
 
 
 @pytest.mark.spark
-def test_a_private_run_records_its_budget_and_shares_noisy_centers(spark, config):
+def test_a_private_run_records_its_budget_and_shares_noisy_centers(spark, config, capsys):
     """The Spark job's local step is the private one: its published local centers hold at least
     min_center_points rows each and no SSE, differ from the numpy kernel's with the same seed (the noise
-    is not the seed's), and the runs row records the budget."""
+    is not the seed's), and the runs row and the report record the budget; the k sweep, which needs the
+    local SSE, refuses the run in one line."""
     out = config.parent / "out"
     bounds = "privacy.bounds=[-15, 15]"  # the mixture lies in [-13.7, 11.8]
     assert run_cli(config, "privacy.epsilon=8", bounds, "label_mode=nearest") == 0
     (run,) = runs_of(spark, out)
-    assert (run.privacy_epsilon, run.privacy_delta) == (8.0, 1e-6)
+    assert (run.privacy_epsilon, run.privacy_delta, run.n_rows_held_back) == (8.0, 1e-6, None)
+    assert "epsilon = 8, delta = 1e-06 per row" in (report_folder(out, "first") / "report.html").read_text()
     local = published(spark, out, "local_centers").toPandas()
     assert local.n_points.min() >= 3 and local.sse.isna().all()
     labels = labels_of(spark, out, "first").select("cluster_id", "true_cluster").toPandas()
     assert len(labels) == N_ROWS and adjusted_rand_index(labels.true_cluster, labels.cluster_id) > 0.9
+    assert main(["choose-k", "--output", str(out), "--k", "2:20"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "kfed-spark: error: the k sweep needs every local center's SSE, which a private run's devices do not share"
+    )
     table = mixture(**MIXTURE)
     kernel = local_clusterings(
         feature_matrix(table.column("features")),

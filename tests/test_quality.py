@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import needs_shared_data
-from kfed_spark.bench.quality import SHARE_ALL, WARM_START
+from kfed_spark.bench.quality import EPSILONS, SHARE_ALL, WARM_START
 from kfed_spark.cli import main
 
 
@@ -40,12 +40,17 @@ def test_bench_quality_table_on_the_mixtures(spark, tmp_path, capsys):
         ari = {row["method"]: row["ari"] for row in rows if row["dataset"] == dataset}
         assert ari[WARM_START] >= ari["k-FED restarts=3 filter=0.25 seeding=kmeanspp labels=induced (default)"] - 0.005
     markdown = (out / "quality.md").read_text()
-    assert markdown.count("\n| mixture |") == 29 + 2 and "| dataset | method |" in markdown  # and k, support
+    assert markdown.count("\n| mixture |") == 29 + 2 + len(EPSILONS)  # and k, support, privacy
+    assert "| dataset | method |" in markdown
     assert "| combination | mixture | mixture-outliers | largest shortfall from the best |" in markdown
     assert "(default)" in markdown and "Smallest largest shortfall: k-FED " in markdown
     choices = {c["dataset"]: c for c in json.loads((out / "k_choice.json").read_text())}
     assert choices["mixture"]["true_k"] == 16 and choices["mixture"]["recommended_k"] == 16
     assert choices["mixture"]["swept"] == "2..32" and "| mixture | 16 | 2..32 | 16 |" in markdown
+    privacy = [p for p in json.loads((out / "privacy.json").read_text()) if p["dataset"] == "mixture"]
+    assert [p["epsilon"] for p in privacy] == list(EPSILONS)
+    assert privacy[-1]["ari_nearest"] > privacy[0]["ari_nearest"]  # more budget, less noise
+    assert privacy[-1]["ari_without_privacy"] == 1.0 and "| mixture | [" in markdown
     assert main(["bench-quality", "--datasets", "cifar", "--out", str(out)]) == 2
     assert "--datasets takes names from" in capsys.readouterr().err
 

@@ -102,6 +102,24 @@ class SupportRow:
     cost_ratio_sharing_all: float
 
 
+EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+"""The privacy budgets the privacy table tries, each with privacy_delta and privacy_rounds at their defaults."""
+
+
+@dataclass
+class PrivacyRow:
+    """k-FED with the private local step (privacy_epsilon) at one epsilon, the box being the features' range."""
+
+    dataset: str
+    epsilon: float
+    bounds: tuple[float, float]
+    local_centers: int
+    ari_nearest: float  # label_mode nearest
+    ari_induced: float
+    cost_ratio_nearest: float  # against scikit-learn's cost, as in the main table
+    ari_without_privacy: float  # the default settings with label_mode nearest, no privacy
+
+
 @dataclass
 class KChoiceRow:
     """What the k sweep (kfed_spark.k_sweep) over a dataset's local centers recommends, against its true k."""
@@ -185,7 +203,38 @@ def with_outlier_devices(table: pa.Table, devices: np.ndarray, seed: int) -> tup
     return joined, np.concatenate([devices, new_devices])
 
 
-def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[QualityRow], KChoiceRow, SupportRow]:
+def privacy_rows(problem: Problem, seed: int, k_z: int, sklearn_cost: float) -> list[PrivacyRow]:
+    """The quality cost of privacy: ARI and cost per epsilon in EPSILONS. The box is the features' range,
+    as if it were known without looking at the rows (pixels in [0, 1] are); the noise key is fixed by the
+    seed so that the table repeats (a run draws a secret one)."""
+    bounds = (float(problem.x.min()), float(problem.x.max()))
+    plain_params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed, label_mode="nearest")
+    without = ari_of(contingency(problem.truth, federated_kmeans(problem.x, problem.devices, plain_params).labels))
+    found = []
+    for epsilon in EPSILONS:
+        params = dataclasses.replace(plain_params, privacy_epsilon=epsilon, privacy_bounds=bounds)
+        local = local_clusterings(problem.x, problem.devices, params, noise_key=seed)
+        nearest = federated_kmeans(problem.x, problem.devices, params, local).labels
+        induced_params = dataclasses.replace(params, label_mode="induced")
+        induced = federated_kmeans(problem.x, problem.devices, induced_params, local).labels
+        found.append(
+            PrivacyRow(
+                problem.name,
+                epsilon,
+                bounds,
+                len(local.counts),
+                ari_of(contingency(problem.truth, nearest)),
+                ari_of(contingency(problem.truth, induced)),
+                cost_of_labels(problem.x, nearest) / sklearn_cost if sklearn_cost else float("nan"),
+                without,
+            )
+        )
+    return found
+
+
+def evaluate(
+    spark, problem: Problem, seed: int, folder: Path
+) -> tuple[list[QualityRow], KChoiceRow, SupportRow, list[PrivacyRow]]:
     rows: list[QualityRow] = []
 
     def add(method: str, k_per_device: str, labels: np.ndarray, seconds: float) -> None:
@@ -268,7 +317,7 @@ def evaluate(spark, problem: Problem, seed: int, folder: Path) -> tuple[list[Qua
         default.cost_ratio,
         sharing_all.cost_ratio,
     )
-    return rows, choice, support
+    return rows, choice, support, privacy_rows(problem, seed, k_z, reference)
 
 
 def mllib_labels(spark, problem: Problem, seed: int, folder: Path) -> tuple[np.ndarray, float]:
@@ -315,7 +364,11 @@ def combination_summary(rows: list[QualityRow]) -> tuple[list[str], str]:
 
 
 def markdown(
-    rows: list[QualityRow], command: str, choices: list[KChoiceRow] = (), supports: list[SupportRow] = ()
+    rows: list[QualityRow],
+    command: str,
+    choices: list[KChoiceRow] = (),
+    supports: list[SupportRow] = (),
+    privacy: list[PrivacyRow] = (),
 ) -> str:
     summary, most_even = combination_summary(rows)
     lines = [
@@ -366,6 +419,22 @@ def markdown(
             f"{s.cost_ratio_sharing_all:.3f} |"
             for s in supports
         ]
+    if privacy:
+        lines += [
+            "",
+            f"Differential privacy: k-FED's default settings with the private local step (privacy_delta = "
+            f"{DEFAULTS.privacy_delta:g}, privacy_rounds = {DEFAULTS.privacy_rounds}, privacy_bounds = the features' "
+            "range), per epsilon; ARI with label_mode nearest and induced, cost ratio with nearest",
+            "",
+            "| dataset | bounds | epsilon | local centers shared | ARI nearest | ARI induced | cost ratio nearest "
+            "| ARI without privacy (nearest) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {p.dataset} | [{p.bounds[0]:.3g}, {p.bounds[1]:.3g}] | {p.epsilon:g} | {p.local_centers:,} | "
+            f"{p.ari_nearest:.3f} | {p.ari_induced:.3f} | {p.cost_ratio_nearest:.3f} | {p.ari_without_privacy:.3f} |"
+            for p in privacy
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -373,14 +442,16 @@ def bench_quality(
     spark, names: list[str], out: Path, data_dir: str | None, max_devices: int | None, seed: int, command: str
 ) -> list[QualityRow]:
     out.mkdir(parents=True, exist_ok=True)
-    rows, choices, supports = [], [], []
+    rows, choices, supports, privacy = [], [], [], []
     for problem in problems(names, data_dir, max_devices, seed):
-        found, choice, support = evaluate(spark, problem, seed, out)
+        found, choice, support, private = evaluate(spark, problem, seed, out)
         rows += found
         choices.append(choice)
         supports.append(support)
+        privacy += private
     (out / "quality.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     (out / "k_choice.json").write_text(json.dumps([asdict(c) for c in choices], indent=2))
     (out / "support.json").write_text(json.dumps([asdict(s) for s in supports], indent=2))
-    (out / "quality.md").write_text(markdown(rows, command, choices, supports))
+    (out / "privacy.json").write_text(json.dumps([asdict(p) for p in privacy], indent=2))
+    (out / "quality.md").write_text(markdown(rows, command, choices, supports, privacy))
     return rows
