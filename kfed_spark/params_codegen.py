@@ -108,7 +108,9 @@ def rewritten(text: str) -> str:
 
 
 def shown(value: object) -> str:
-    """A default as the README's table shows it."""
+    """A default as the README's table shows it (as YAML writes it)."""
+    if value is None:
+        return "null"
     if isinstance(value, str):
         return f"`{value}`"
     if isinstance(value, tuple):
