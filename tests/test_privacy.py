@@ -41,7 +41,7 @@ def test_the_noise_has_the_stated_scale_and_spends_the_budget_exactly(epsilon, d
     labels = rng.integers(0, 4, len(rows))
     exact_sums = np.stack([rows[labels == j].sum(axis=0) for j in range(4)])
     exact_counts = np.bincount(labels, minlength=4)
-    released = [noisy_cluster_sums(rows, labels, 4, scales, np.random.default_rng(seed)) for seed in range(3000)]
+    released = [noisy_cluster_sums(rows, labels, 4, scales, np.random.default_rng(seed)) for seed in range(1000)]
     sum_noise = np.stack([sums for sums, _ in released]) - exact_sums
     count_noise = np.stack([counts for _, counts in released]) - exact_counts
     for noise, sigma in ((sum_noise, scales.sum_sigma), (count_noise, scales.count_sigma)):
