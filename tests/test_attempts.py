@@ -83,7 +83,7 @@ def test_writes_to_one_table_on_a_local_disk_take_turns_across_processes(tmp_pat
 
     writer = threading.Thread(target=write_runs)
     writer.start()
-    assert not entered.wait(1.0)  # the same table: it waits while the other process holds it
+    assert not entered.wait(0.5)  # the same table: it waits while the other process holds it
     holder.stdin.write("\n")
     holder.stdin.flush()
     assert entered.wait(30) and holder.wait(timeout=30) == 0

@@ -151,11 +151,19 @@ def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path):
     blocked = "import sys; sys.modules['sklearn'] = None; from kfed_spark.cli import main; sys.exit(main(sys.argv[1:]))"
     hints = {"bench": "or pass --no-sklearn", "bench-quality": "(its centralized baseline)"}
     hints["bench-paper"] = "(its centralized k-means)"
-    for name in hints:
-        command = [name, "--out", str(tmp_path / name)]
-        result = subprocess.run([sys.executable, "-c", blocked, *command], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2, result.stderr[-2000:]
-        assert result.stderr.strip().splitlines()[-1] == (
+    started = {  # side by side: each is a Python start-up
+        name: subprocess.Popen(
+            [sys.executable, "-c", blocked, name, "--out", str(tmp_path / name)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in hints
+    }
+    for name, process in started.items():
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 2, stderr[-2000:]
+        assert stderr.strip().splitlines()[-1] == (
             f"kfed-spark: error: {name} needs scikit-learn: pip install 'kfed-spark[bench]' {hints[name]}"
         )
         assert not (tmp_path / name).exists()
