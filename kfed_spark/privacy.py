@@ -4,15 +4,15 @@ adds, calibrated to the guarantee.
 The guarantee is per row: for every device, the local centers and counts it shares are
 (epsilon, delta)-differentially private with respect to adding or removing one of its rows, and so
 is everything computed from them alone. The private local step (kernels.private_local_step) clips
-every row into the box [lo, hi]^d of privacy_bounds, starts from centers drawn in the box without
-looking at the rows, and runs privacy_rounds Lloyd rounds; each round releases every local cluster's
-sum of rows (taken about the box's center) and count, with Gaussian noise of standard deviation
-sum_sigma and count_sigma.
+every row into the box [lo, hi]^d of privacy_bounds, starts from one center at the box's center that
+it splits without looking at the rows, and runs privacy_rounds Lloyd rounds; each round releases every
+local cluster's sum of rows (taken about the box's center) and count, with Gaussian noise of standard
+deviation sum_sigma and count_sigma.
 
 Sensitivity: a row x in the box is within radius = sqrt(d) (hi - lo) / 2 of the box's center. In a
 round the partition is fixed by the previous round's noisy centers (already released) and x alone,
-so adding x changes one cluster's sum by x - center, of norm at most radius, and its count by 1. A
-round is then a Gaussian mechanism of sensitivity sqrt(radius^2 / sum_sigma^2 + 1 / count_sigma^2)
+so adding x changes one cluster's sum by x (about the box's center: norm at most radius) and its
+count by 1. A round is then a Gaussian mechanism of sensitivity sqrt(radius^2 / sum_sigma^2 + 1 / count_sigma^2)
 on the noise-scaled statistics: mu_round-GDP with mu_round that value (Dong, Roth and Su 2022,
 theorem 2.7), and privacy_rounds adaptive rounds compose exactly to mu-GDP with
 mu = sqrt(rounds) mu_round (their corollary 3.3). mu-GDP is (epsilon, delta)-DP for
@@ -71,10 +71,6 @@ class NoiseScales:
             radius=radius,
             mu=mu,
         )
-
-    def round_mu(self) -> float:
-        """One round's GDP parameter: its sensitivity over the noise, sums and counts together."""
-        return math.sqrt((self.radius / self.sum_sigma) ** 2 + 1 / self.count_sigma**2)
 
 
 def noisy_cluster_sums(

@@ -172,8 +172,9 @@ def _cluster(device: object, k: int, x: np.ndarray, seen: int, spec: LocalStepSp
     if spec.k_source == "auto":
         k = estimate_local_k(x, spec.k)
     result = device_local_step(x, k, device, spec.params, spec.noise_key)
-    if seen != len(x) and spec.noise_key is None:  # clustered on a sample: the counts and SSE of all its rows
-        # (a private device shares its sample's noisy counts: the number of its rows is not released)
+    if seen != len(x) and spec.noise_key is None:
+        # clustered on a sample: the counts and SSE of all its rows (a private device shares its sample's noisy
+        # counts instead: its number of rows is not released)
         result = LocalClustering(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
     return shared_centers(result, spec.params.min_center_points)
 
