@@ -22,22 +22,25 @@ the largest mu that meets the asked delta at the asked epsilon, so no budget is 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import brentq
-from scipy.sparse import csr_matrix
-from scipy.stats import norm
 
 
 def gdp_delta(epsilon: float, mu: float) -> float:
     """The delta at which mu-GDP is (epsilon, delta)-DP (exact, and increasing in mu)."""
-    return float(norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon + norm.logcdf(-epsilon / mu - mu / 2)))
+    from scipy.special import log_ndtr, ndtr  # here, not at the top: every Python worker imports this module
+
+    return float(ndtr(-epsilon / mu + mu / 2) - math.exp(epsilon + log_ndtr(-epsilon / mu - mu / 2)))
 
 
+@functools.cache
 def gdp_mu(epsilon: float, delta: float) -> float:
-    """The largest mu whose mu-GDP is (epsilon, delta)-DP."""
+    """The largest mu whose mu-GDP is (epsilon, delta)-DP (computed once per budget: each device asks)."""
+    from scipy.optimize import brentq
+
     high = 1.0
     while gdp_delta(epsilon, high) < delta:
         high *= 2
@@ -79,7 +82,6 @@ def noisy_cluster_sums(
     """(sums (k, d), counts (k,)) of the rows by label, each with its Gaussian noise: one round's release.
 
     rows are clipped into the box and taken about its center (norm at most scales.radius)."""
-    by_label = csr_matrix((np.ones(len(rows)), (labels, np.arange(len(rows)))), shape=(k, len(rows)))
     counts = np.bincount(labels, minlength=k).astype(np.float64)
-    sums = by_label @ rows
+    sums = np.stack([rows[labels == j].sum(axis=0) for j in range(k)])
     return sums + rng.normal(0.0, scales.sum_sigma, sums.shape), counts + rng.normal(0.0, scales.count_sigma, k)
