@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from kfed_spark.params import DEFAULTS, SEEDINGS, AlgorithmParams
-from kfed_spark.privacy import NoiseScales, noisy_cluster_sums
+from kfed_spark.privacy import NoiseScales
 
 MARGIN = 3.0
 """Alg. 1 keeps a point for a rough center r when it is MARGIN times closer to r than to any other."""
@@ -176,7 +176,14 @@ def _nearest(x: np.ndarray, x_sq: np.ndarray, centers: np.ndarray) -> tuple[np.n
 
 
 def weighted_means(x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-label weighted sums divided by per-label weights; also returns the weights (0 for empty).
+    """Per-label weighted sums divided by per-label weights; also returns the weights (0 for empty)."""
+    sums, mass = weighted_sums(x, weights, labels, k)
+    means = np.divide(sums, mass[:, None], out=np.zeros_like(sums), where=mass[:, None] > 0)
+    return means, mass
+
+
+def weighted_sums(x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-label weighted sums of the rows, and per-label weights.
 
     The sums are matrix products with the (k, rows) matrix of the rows' weights by label, in row
     chunks of bounded size: a few numpy calls where a device has few rows.
@@ -189,8 +196,7 @@ def weighted_means(x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: in
         by_label = np.zeros((k, len(x[chunk])))
         by_label[labels[chunk], np.arange(len(by_label[0]))] = weights[chunk]
         sums += by_label @ x[chunk]
-    means = np.divide(sums, mass[:, None], out=np.zeros_like(sums), where=mass[:, None] > 0)
-    return means, mass
+    return sums, mass
 
 
 def kmeans_plusplus(x: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -358,6 +364,16 @@ def private_local_step(
         centers[moved] = np.clip(sums[moved] / counts[moved, None], -half, half)
     shared_counts = np.where(moved, np.rint(counts), 0).astype(np.int64)
     return LocalClustering(centers + middle, shared_counts, np.full(len(centers), np.nan))
+
+
+def noisy_cluster_sums(
+    rows: np.ndarray, labels: np.ndarray, k: int, scales: NoiseScales, noise: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """One round's release of the private local step: the (k, d) sums and (k,) counts of the rows by label,
+    each with its Gaussian noise (scales: kfed_spark.privacy). rows are clipped into the box and taken about
+    its center, so one row moves a sum by at most scales.radius."""
+    sums, counts = weighted_sums(rows, np.ones(len(rows)), labels, k)
+    return sums + noise.normal(0.0, scales.sum_sigma, sums.shape), counts + noise.normal(0.0, scales.count_sigma, k)
 
 
 def _split(centers: np.ndarray, counts: np.ndarray, wanted: int, half: float, rng: np.random.Generator) -> np.ndarray:

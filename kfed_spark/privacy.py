@@ -26,8 +26,6 @@ import functools
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 
 def gdp_delta(epsilon: float, mu: float) -> float:
     """The delta at which mu-GDP is (epsilon, delta)-DP (exact, and increasing in mu)."""
@@ -74,14 +72,3 @@ class NoiseScales:
             radius=radius,
             mu=mu,
         )
-
-
-def noisy_cluster_sums(
-    rows: np.ndarray, labels: np.ndarray, k: int, scales: NoiseScales, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """(sums (k, d), counts (k,)) of the rows by label, each with its Gaussian noise: one round's release.
-
-    rows are clipped into the box and taken about its center (norm at most scales.radius)."""
-    counts = np.bincount(labels, minlength=k).astype(np.float64)
-    sums = np.stack([rows[labels == j].sum(axis=0) for j in range(k)])
-    return sums + rng.normal(0.0, scales.sum_sigma, sums.shape), counts + rng.normal(0.0, scales.count_sigma, k)

@@ -12,10 +12,10 @@ from kfed_spark.bench.synthetic import mixture
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
 from kfed_spark.errors import ConfigError
-from kfed_spark.kernels import federated_kmeans, local_clusterings, private_local_step
+from kfed_spark.kernels import federated_kmeans, local_clusterings, noisy_cluster_sums, private_local_step
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.privacy import NoiseScales, gdp_mu, noisy_cluster_sums
+from kfed_spark.privacy import NoiseScales, gdp_mu
 from kfed_spark.workers import feature_matrix
 
 
