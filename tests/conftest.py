@@ -75,6 +75,15 @@ TEST_SPARK_CONF = {
     "spark.log.level": "ERROR",
     # Small Arrow batches: a device's rows span several batches, a batch holds several devices.
     "spark.sql.execution.arrow.maxRecordsPerBatch": "100",
+    # One JVM serves the whole suite (some 10,000 stages). Spark's defaults keep the last 1,000 jobs,
+    # stages and SQL plans and 100,000 tasks in the driver's heap, and local mode's heap is 1g: a CI run
+    # ran out of it in bench-quality, the suite's largest read, and every later test lost the JVM.
+    # The heap is bench-quality's own (bench_session) and the status kept is what a test reads.
+    "spark.driver.memory": "2g",
+    "spark.ui.retainedJobs": "50",
+    "spark.ui.retainedStages": "50",
+    "spark.ui.retainedTasks": "1000",
+    "spark.sql.ui.retainedExecutions": "20",
 }
 
 
