@@ -75,14 +75,8 @@ TEST_SPARK_CONF = {
     "spark.log.level": "ERROR",
     # Small Arrow batches: a device's rows span several batches, a batch holds several devices.
     "spark.sql.execution.arrow.maxRecordsPerBatch": "100",
-    # One JVM serves the whole suite (some 10,000 stages), and local mode's heap is 1g: a CI run ran out
-    # of it in bench-quality's MNIST read, and every later test lost the JVM. The heap grows through the
-    # suite (0.8 GB live two thirds in, 1.2 GB old generation at the end), much of it Delta's cached
-    # snapshot of every table the tests wrote: capping that cache at 20 tables took three modules' live
-    # heap from 245 to 143 MB but their time from 300-315 s to 355-415 s. So the heap is
-    # bench-quality's own 2g (bench_session) plus 1g, and Spark keeps only the status a test reads instead
-    # of its last 1,000 jobs, stages and SQL plans and 100,000 tasks.
-    "spark.driver.memory": "3g",
+    # A JVM that serves many tests keeps only the status a test reads, not Spark's last 1,000 jobs,
+    # stages and SQL plans and 100,000 tasks.
     "spark.ui.retainedJobs": "50",
     "spark.ui.retainedStages": "50",
     "spark.ui.retainedTasks": "1000",
@@ -90,10 +84,19 @@ TEST_SPARK_CONF = {
 }
 
 
+SESSION_HEAP = "3g"
+"""The heap of the one JVM that serves the whole suite (some 10,000 stages); local mode's 1g ran out in a CI
+run, in bench-quality's MNIST read, and every later test lost the JVM. The heap grows through the suite
+(0.8 GB live two thirds in, 1.2 GB three quarters in, after a full GC), much of it Delta's cached snapshot of
+every table the tests wrote: capping that cache at 20 tables took three modules' live heap from 245 to 143 MB
+but their time from 300-315 s to 355-415 s. So it is bench-quality's own 2g (bench_session) plus 1g. The
+processes the tests start keep Spark's default."""
+
+
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory, jvm_archive):
     warehouse = tmp_path_factory.mktemp("warehouse")
-    conf = {**TEST_SPARK_CONF, "spark.sql.warehouse.dir": str(warehouse)}
+    conf = {**TEST_SPARK_CONF, "spark.driver.memory": SESSION_HEAP, "spark.sql.warehouse.dir": str(warehouse)}
     session = build_session(SparkConfig(master="local[2]", app_name="kfed-tests", conf=conf))
     yield session
     session.stop()
