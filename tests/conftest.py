@@ -89,8 +89,8 @@ SESSION_HEAP = "3g"
 run, in bench-quality's MNIST read, and every later test lost the JVM. The heap grows through the suite
 (0.8 GB live two thirds in, 1.2 GB three quarters in, after a full GC), much of it Delta's cached snapshot of
 every table the tests wrote: capping that cache at 20 tables took three modules' live heap from 245 to 143 MB
-but their time from 300-315 s to 355-415 s. So it is bench-quality's own 2g (bench_session) plus 1g. The
-processes the tests start keep Spark's default."""
+but their time from 296-314 s to 354 s (a 3-minute retention instead: 414 s). So it is bench-quality's own 2g
+(bench_session) plus 1g. The processes the tests start keep Spark's default."""
 
 
 @pytest.fixture(scope="session")
