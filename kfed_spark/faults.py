@@ -2,7 +2,9 @@
 
 `kill:POINT` sends SIGKILL to this process at a named point of a run, `fail:POINT` raises there,
 `wait:POINT:FILE` waits there until FILE exists (after creating FILE.<pid>, so that a test knows it
-is waiting: to make two attempts overlap). In the local-step tasks, `fail_first_attempt` makes
+is waiting: to make two attempts overlap). `copy:FOLDER:INTO` copies FOLDER (the run's output location)
+to INTO/<point> at every point and goes on: each copy holds what a SIGKILL at that point would leave on
+disk, so one process gives the states of every kill point. In the local-step tasks, `fail_first_attempt` makes
 every task fail its first attempt (Spark retries it) and `stall` makes them hang.
 Not a user setting: nothing in the config or the README names it.
 """
@@ -10,6 +12,7 @@ Not a user setting: nothing in the config or the README names it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -30,9 +33,12 @@ def task_fault() -> str | None:
 
 
 def point(name: str) -> None:
-    """A named point of a run where a test may kill, fail or pause this process."""
+    """A named point of a run where a test may kill, fail, pause or copy this process's output."""
     action, _, rest = os.environ.get(FAULT_ENV, "").partition(":")
     where, _, gate = rest.partition(":")
+    if action == "copy":
+        copy_location(Path(where), Path(gate) / name)
+        return
     if where != name:
         return
     if action == "kill":
@@ -44,3 +50,18 @@ def point(name: str) -> None:
         deadline = time.monotonic() + WAIT_LIMIT_SECONDS
         while not Path(gate).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def copy_location(folder: Path, into: Path) -> None:
+    """Copy what is on disk under folder now; a file that a writer of another thread renames or deletes
+    meanwhile is left out, as a kill would have left it unfinished."""
+    for source in folder.rglob("*") if folder.is_dir() else ():
+        target = into / source.relative_to(folder)
+        try:
+            if source.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+        except FileNotFoundError:
+            pass

@@ -1,8 +1,11 @@
 """A run stays whole for its readers when it is killed, stopped or run twice: real processes, real Delta tables.
 
 Each run here is a `kfed-spark run` (or `kfed-spark forget`) process of its own, killed with SIGKILL (by a
-test hook at a named point, or from outside), stopped with SIGTERM, or started twice at once; the
-kill-point processes start ahead of their tests, two at a time (kill_processes).
+test hook at a named point, or from outside), stopped with SIGTERM, or started twice at once. The states a
+SIGKILL leaves at each commit point come from three processes that copy their location at every point
+(Interrupted): at a point nothing more reaches the disk before the kill would, so each copy holds what
+that kill leaves, and its attempt's process is gone by the time the test reads it. One re-run is killed
+there for real.
 After each, the test reads what every documented read path shows: the published views that
 `kfed-spark sql` and `output.database` define, latest_labels, `kfed-spark report` and the README's
 DuckDB recipe.
@@ -13,6 +16,7 @@ import shutil
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import duckdb
 import pytest
@@ -109,54 +113,75 @@ def raw_attempts(spark, out, name="labels"):
     }
 
 
-KILLERS_AT_ONCE = 2
+FORGET_DEVICE_3 = ("forget", "--device", "3", "--run", "first")
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """The process of kill-point cases: `kfed-spark run` or `forget` (command), on an empty location or
+    on a copy of published_run's (rerun), copying its location at every point as it goes on, or, when
+    killed_at is set, killed there."""
+
+    command: str
+    rerun: bool
+    killed_at: str | None = None
+
+
+def interrupted_process(tmp_path_factory, mixture_path, published_run, case: Interrupted):
+    """Run case's process to its end: (exit code, stderr, its folder of copies or its location)."""
+    folder = tmp_path_factory.mktemp("interrupted")
+    config = write_config(folder, mixture_path)
+    if case.rerun:
+        shutil.copytree(published_run[1], folder / "out")
+    args = FORGET_DEVICE_3 if case.command == "forget" else ("run", "--set", "k=6")
+    fault = f"kill:{case.killed_at}" if case.killed_at else f"copy:{folder / 'out'}:{folder / 'copies'}"
+    code, _, err = finish(cli_process(*args, "--config", str(config), env={**clean_environment(), FAULT_ENV: fault}))
+    return code, err, folder / ("out" if case.killed_at else "copies")
+
+
+KILLED_RERUN = Interrupted("run", True, killed_at="published")
+"""The case killed for real: a re-run at the point where it has the most left to do (its supersede)."""
 
 
 @pytest.fixture(scope="module")
-def kill_processes(request, tmp_path_factory, mixture_path, published_run):
-    """The processes of the kill-point tests, each on a location of its own (empty, or a copy of published_run's),
-    started ahead of their tests KILLERS_AT_ONCE at a time, so that while one test checks what its process left
-    the next processes run: test name -> a future of (config, output folder, exit code, stderr). Only the
-    selected tests' processes start; each test waits for its own."""
-    cases = {}
-    for item in request.session.items:
-        if item.module is request.module and hasattr(item, "callspec"):
-            params = item.callspec.params
-            if item.originalname == "test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run":
-                cases[item.name] = ("run", params["point"], params["rerun"])
-            elif item.originalname == "test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run":
-                cases[item.name] = ("forget", params["point"], True)
-
-    def act(command, point, rerun):
-        folder = tmp_path_factory.mktemp("killed")
-        config = write_config(folder, mixture_path)
-        if rerun:
-            shutil.copytree(published_run[1], folder / "out")
-        args = FORGET_DEVICE_3 if command == "forget" else ("run", "--set", "k=6")
-        process = cli_process(*args, "--config", str(config), env={**clean_environment(), FAULT_ENV: f"kill:{point}"})
-        code, _, err = finish(process)
-        return config, folder / "out", code, err
-
-    with ThreadPoolExecutor(max_workers=KILLERS_AT_ONCE) as pool:
-        yield {name: pool.submit(act, *case) for name, case in cases.items()}
+def interrupted(tmp_path_factory, mixture_path, published_run):
+    """The kill-point tests' processes, started ahead of the tests two at a time, so that while a test
+    checks what one left the next ones run: Interrupted -> a future of interrupted_process()."""
+    cases = [Interrupted("run", True), Interrupted("run", False), Interrupted("forget", True), KILLED_RERUN]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            case: pool.submit(interrupted_process, tmp_path_factory, mixture_path, published_run, case)
+            for case in cases
+        }
 
 
-FORGET_DEVICE_3 = ("forget", "--device", "3", "--run", "first")
+def left_at(interrupted, case: Interrupted, point: str):
+    """The location as a SIGKILL of case's process at point leaves it: the copy the process made there (it
+    went on and published), or the location of the case killed for real."""
+    code, err, folder = interrupted[case].result()
+    if case.killed_at:
+        assert (point, code) == (case.killed_at, -signal.SIGKILL), err[-2000:]
+        return folder
+    assert code == 0, err[-2000:]
+    return folder / point
 
 
 KILLS = [(point, True) for point in POINTS] + [(point, False) for point in ("created", "labels", "published")]
 """Every point on a re-run, where readers must go on seeing the earlier attempt; on a first run, the points
 where the location is left in a state of another kind: tables without a runs row, rows of no published
-attempt (claimed, tables and report leave the same as labels, and the re-run cases kill there), the first
+attempt (claimed, tables and report leave the same as labels, and the re-run cases stop there), the first
 publish."""
 
 
-@pytest.mark.parametrize(("point", "rerun"), KILLS, ids=[f"{p}-{'rerun' if r else 'first_run'}" for p, r in KILLS])
+@pytest.mark.parametrize(
+    ("point", "rerun", "for_real"),
+    [(point, rerun, False) for point, rerun in KILLS] + [("published", True, True)],
+    ids=[f"{p}-{'rerun' if r else 'first_run'}" for p, r in KILLS] + ["published-rerun-sigkill"],
+)
 def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(
-    request, spark, kill_processes, published_run, point, rerun
+    spark, interrupted, published_run, point, rerun, for_real
 ):
-    _, out, code, err = kill_processes[request.node.name].result()
-    assert code == -signal.SIGKILL, err[-2000:]
+    out = left_at(interrupted, KILLED_RERUN if for_real else Interrupted("run", rerun), point)
     old = published_attempt(spark, published_run[1]) if rerun else None
 
     seen = what_readers_see(spark, out)
@@ -193,14 +218,11 @@ def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(
-    request, spark, kill_processes, published_run, point
-):
+def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, interrupted, published_run, point):
     """`kfed-spark forget` takes a device out of a run through a new attempt, published as a run's: killed at
     any point, readers see the run with the device or the run without it, whole; once the process is gone
     the next tidy-up removes what it left, and forget again finishes the erasure."""
-    config, out, code, err = kill_processes[request.node.name].result()
-    assert code == -signal.SIGKILL, err[-2000:]
+    out = left_at(interrupted, Interrupted("forget", True), point)
     old = published_attempt(spark, published_run[1])
     new = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
     without = N_ROWS - MIXTURE["points_per_device"]
@@ -223,7 +245,7 @@ def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(
         assert statuses[new[0]] == ("abandoned", True) and new[0] not in raw_attempts(spark, out)
     assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
     if point == "report":  # the erasure, asked again, is done
-        assert main([*FORGET_DEVICE_3, "--config", str(config)]) == 0
+        assert main([*FORGET_DEVICE_3, "--output", str(out)]) == 0
         assert_whole(what_readers_see(spark, out), published_attempt(spark, out), MIXTURE["k"], n_rows=without)
 
 
