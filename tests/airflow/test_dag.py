@@ -4,6 +4,7 @@ provider installs the Spark Connect client as `pyspark`, so it cannot share the 
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pendulum
 import pytest
@@ -46,26 +47,19 @@ def test_dag_has_the_tasks_schedule_and_shipping(dag):
         assert submit.conf["spark.pyspark.python"] == "./environment/bin/python"
 
 
-def test_dag_runs_the_job_on_the_cluster_checks_it_and_labels_the_new_rows_with_its_model(dag):
-    run = dag.test(logical_date=pendulum.datetime(2026, 11, 29, tz="UTC"))
+def test_a_manual_run_runs_the_job_on_the_cluster_checks_it_and_labels_the_new_rows_with_its_model(dag, caplog):
+    """Manual and asset-triggered runs in Airflow 3 have no logical date: `ds` would not render. The one DAG
+    run of these tests is such a run, for real, so its run id is named after the DAG run."""
+    run = dag.test(logical_date=None)
+    assert run.logical_date is None
     assert run.state == "success", [(ti.task_id, ti.state) for ti in run.get_task_instances()]
-    assert [(r["run_id"], r["status"]) for r in runs()] == [("2026-11-29", "succeeded")]
+    kfed_run = run.run_id.replace("+", "_")
+    assert [(r["run_id"], r["status"]) for r in runs()] == [(kfed_run, "succeeded")]
     labels = DeltaTable(f"{OUTPUT}/labels").to_pyarrow_table(filters=[("attempt_id", "=", runs()[0]["attempt_id"])])
     assert labels.num_rows == runs()[0]["n_labelled"] == runs()[0]["n_input"]
     streamed = DeltaTable(f"{OUTPUT}/stream_labels").to_pyarrow_table()  # KFED_STREAM_INPUT is the run's input
-    assert streamed.num_rows == labels.num_rows and set(streamed.column("model_run_id").to_pylist()) == {"2026-11-29"}
+    assert streamed.num_rows == labels.num_rows and set(streamed.column("model_run_id").to_pylist()) == {kfed_run}
     assert sorted(streamed.column("row_id").to_pylist()) == sorted(labels.column("row_id").to_pylist())
-
-
-def test_a_run_without_logical_date_is_named_after_its_dag_run(dag, caplog):
-    """Manual and asset-triggered runs in Airflow 3 have no logical date: `ds` would not render. This one
-    names no stream input, so the stream task is skipped."""
-    run = dag.test(logical_date=None, run_conf={"stream_input": ""})
-    assert run.logical_date is None and run.state == "success"
-    states = {ti.task_id: ti.state for ti in run.get_task_instances()}
-    assert (states["stream_wanted"], states["kfed_stream"]) == ("success", "skipped")
-    manual = [r for r in runs() if r["run_id"] != "2026-11-29"]
-    assert [(r["run_id"], r["status"]) for r in manual] == [(run.run_id.replace("+", "_"), "succeeded")]
 
     # The failure callback names the k-FED run and the error, with the real DAG run and task instance.
     callbacks = dag.get_task("kfed_cluster").on_failure_callback
@@ -73,13 +67,27 @@ def test_a_run_without_logical_date_is_named_after_its_dag_run(dag, caplog):
     instance = run.get_task_instances()[0]
     with caplog.at_level(logging.ERROR):
         log_failure({"dag_run": run, "task_instance": instance, "exception": ValueError("boom")})
-    assert f"k-FED run {run.run_id.replace('+', '_')} (DAG run {run.run_id}" in caplog.text and "boom" in caplog.text
+    assert f"k-FED run {kfed_run} (DAG run {run.run_id}" in caplog.text and "boom" in caplog.text
+
+
+def test_a_scheduled_run_is_named_after_its_day_and_no_stream_input_skips_the_stream(dag):
+    """The run id a scheduled DAG run renders, through the DAG's own template environment; and the
+    short-circuit that skips kfed_stream when the DAG run names no stream input."""
+    cluster = dag.get_task("kfed_cluster")
+    run_id = next(arg for arg in cluster.application_args if arg.startswith("run_id="))
+    scheduled = SimpleNamespace(
+        logical_date=pendulum.datetime(2026, 11, 29, 3, tz="UTC"), run_id="scheduled__2026-11-29"
+    )
+    assert dag.get_template_env().from_string(run_id).render(dag_run=scheduled) == "run_id=2026-11-29"
+    wanted = dag.get_task("stream_wanted").python_callable
+    assert (wanted(""), wanted("  "), wanted(os.environ["KFED_STREAM_INPUT"])) == (False, False, True)
 
 
 def test_check_fails_a_run_that_quarantined_too_much(dag):
     check = dag.get_task("check_run").python_callable
-    assert check(OUTPUT, "2026-11-29", "0.0")["n_quarantined"] == 0
+    kfed_run = runs()[0]["run_id"]
+    assert check(OUTPUT, kfed_run, "0.0")["n_quarantined"] == 0
     with pytest.raises(ValueError, match="quarantined 0 of"):
-        check(OUTPUT, "2026-11-29", "-0.01")
+        check(OUTPUT, kfed_run, "-0.01")
     with pytest.raises(ValueError, match="did not succeed"):
         check(OUTPUT, "2026-11-30", "0.05")
