@@ -1,5 +1,5 @@
 """The benchmark's Spark contenders other than the job, each run as a process of its own (as spark-submit
-would run it): `python -m kfed_spark.bench.contenders mllib|passes|setup-passes --data PARQUET --out DIR`.
+would run it): `python -m kfed_spark.bench.contenders mllib|passes|setup --data PARQUET --out DIR`.
 
 Each prints one JSON object on stdout: the seconds of its stages (session start included), and for
 MLlib the fit's cost. kfed_spark.bench.processes starts them and times the whole process.
@@ -24,7 +24,7 @@ from kfed_spark.bench.benchmark import (
 )
 
 PASSES_TABLE = "passes_labels"
-"""The Delta table (under --out) the bare passes' second pass appends to; setup-passes creates it."""
+"""The Delta table (under --out) the bare passes' second pass appends to; setup creates it."""
 MLLIB_LABELS = "mllib_labels"
 """The Delta table (under --out) MLlib's labelled rows are written to, replaced at every run."""
 
@@ -72,23 +72,30 @@ def passes(spark, data: str, out: Path, stages: Stages) -> dict:
     return {}
 
 
-def setup_passes(spark, data: str, out: Path, stages: Stages) -> dict:
-    """The bare passes' Delta table, empty, as a location that exists before a scheduled run."""
+def setup(spark, data: str, out: Path, kfed_config: str, stages: Stages) -> dict:
+    """What exists before a scheduled run, made in one process, untimed: the bare passes' Delta table, empty,
+    and k-FED's output location, from a run (id bench-setup) of kfed_config in this session."""
+    from kfed_spark.config import load_config
+    from kfed_spark.job import run
+
     schema = with_one_int_per_row(spark.read.parquet(data)).schema
     new_delta_table(spark, out / PASSES_TABLE, schema, labels_like_stats())
     stages.done("create table")
+    run(spark, load_config(kfed_config, ["run_id=bench-setup"]))
+    stages.done("k-FED setup run")
     return {}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kfed_spark.bench.contenders")
-    parser.add_argument("contender", choices=["mllib", "passes", "setup-passes"])
+    parser.add_argument("contender", choices=["mllib", "passes", "setup"])
     parser.add_argument("--data", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--driver-memory", default="2g")
+    parser.add_argument("--kfed-config", help="setup: the config of k-FED's setup run")
     args = parser.parse_args(argv)
     stages = Stages()
     spark = bench_session(f"kfed-bench-{args.contender}", args.driver_memory, args.master)
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.contender == "passes":
         figures = passes(spark, args.data, out, stages)
     else:
-        figures = setup_passes(spark, args.data, out, stages)
+        figures = setup(spark, args.data, out, args.kfed_config, stages)
     print(json.dumps({"stages": stages.seconds, **figures}))
     return 0
 

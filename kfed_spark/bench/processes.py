@@ -231,12 +231,7 @@ def benchmark_fresh(
         "--driver-memory",
         driver_memory,
     ]
-    timed_process(
-        "setup run",
-        [*kfed, "run", "--config", str(configs["setup"]), "--set", "run_id=bench-setup", "--quiet"],
-        logs / "kfed-setup.log",
-    )
-    timed_process("setup of the bare passes", [*contender, "setup-passes", *common], logs / "passes-setup.log")
+    timed_process("setup", [*contender, "setup", *common, "--kfed-config", str(configs["setup"])], logs / "setup.log")
 
     runs = []
     run_id = f"bench-{time.strftime('%Y%m%dT%H%M%S')}"
