@@ -143,11 +143,27 @@ KILLED_RERUN = Interrupted("run", True, killed_at="published")
 """The case killed for real: a re-run at the point where it has the most left to do (its supersede)."""
 
 
+def run_case(rerun: bool, for_real: bool) -> Interrupted:
+    """The process a case of the run's kill-point test reads."""
+    return KILLED_RERUN if for_real else Interrupted("run", rerun)
+
+
+FORGET_CASE = Interrupted("forget", True)
+
+
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory, mixture_path, published_run):
+def interrupted(request, tmp_path_factory, mixture_path, published_run):
     """The kill-point tests' processes, started ahead of the tests two at a time, so that while a test
-    checks what one left the next ones run: Interrupted -> a future of interrupted_process()."""
-    cases = [Interrupted("run", True), Interrupted("run", False), Interrupted("forget", True), KILLED_RERUN]
+    checks what one left the next ones run: Interrupted -> a future of interrupted_process(). Only the
+    processes the selected tests read start."""
+    cases = {}
+    for item in request.session.items:
+        if item.module is request.module and hasattr(item, "callspec"):
+            params = item.callspec.params
+            if item.originalname == "test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run":
+                cases[run_case(params["rerun"], params["for_real"])] = None
+            elif item.originalname == "test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run":
+                cases[FORGET_CASE] = None
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield {
             case: pool.submit(interrupted_process, tmp_path_factory, mixture_path, published_run, case)
@@ -181,7 +197,7 @@ publish."""
 def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(
     spark, interrupted, published_run, point, rerun, for_real
 ):
-    out = left_at(interrupted, KILLED_RERUN if for_real else Interrupted("run", rerun), point)
+    out = left_at(interrupted, run_case(rerun, for_real), point)
     old = published_attempt(spark, published_run[1]) if rerun else None
 
     seen = what_readers_see(spark, out)
@@ -222,7 +238,7 @@ def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, int
     """`kfed-spark forget` takes a device out of a run through a new attempt, published as a run's: killed at
     any point, readers see the run with the device or the run without it, whole; once the process is gone
     the next tidy-up removes what it left, and forget again finishes the erasure."""
-    out = left_at(interrupted, Interrupted("forget", True), point)
+    out = left_at(interrupted, FORGET_CASE, point)
     old = published_attempt(spark, published_run[1])
     new = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
     without = N_ROWS - MIXTURE["points_per_device"]
