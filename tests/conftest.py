@@ -1,16 +1,20 @@
-"""One local SparkSession with Delta for the whole test run, built by the product's own builder."""
+"""One local SparkSession with Delta for the whole test run, built by the product's own builder; the tiers.
+
+Every test process imports this module, the fast tier's included: what starts Spark or writes data is
+imported by the fixture that does it."""
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy  # noqa: F401  (loads the BLAS that threadpool_limits below sets)
 import pytest
+from threadpoolctl import threadpool_limits
 
-from helpers import MIXTURE, bare_environment, free_port, run_cli, servers, spark_home, wait_for
-from kfed_spark.bench.synthetic import write_mixture
+from helpers import MIXTURE, bare_environment, free_port, run_cli, servers, shared_data_missing, spark_home, wait_for
 from kfed_spark.config import SparkConfig
-from kfed_spark.session import build_session, jvm_archive_file, write_jvm_archive
 
 collect_ignore = ["airflow"]  # run inside the Airflow environment by test_airflow.py
 
@@ -21,6 +25,29 @@ or integration (processes of their own: spark-submit, servers, the CLI)."""
 
 JVM_FIXTURES = {"spark", "config", "published_run", "config_after_first_run", "standalone_master", "connect_url"}
 """Fixtures that start Spark, or a run that starts it."""
+
+
+threadpool_limits(limits=1, user_api="blas")
+"""The test process's numpy multiplies small matrices: a second BLAS thread only spins on a core that the JVM
+or another test process wants (the fast tier: 30.5 CPU-seconds with it, 23.4 without, and a second faster).
+The processes the tests start keep their own BLAS threads."""
+
+MODULE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(fast|spark|integration)\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`-m fast` does not import the modules whose pytestmark is another tier: none of their tests can be
+    fast (pytest_collection_modifyitems allows one tier a test), and importing them took the fast tier's
+    collection from 2.4 to 5.9 s (MLflow's client alone 2.2 s)."""
+    if config.getoption("markexpr") != "fast" or not collection_path.match("test_*.py"):
+        return None
+    tier = MODULE_TIER.search(collection_path.read_text(encoding="utf-8"))
+    return True if tier and tier.group(1) != "fast" else None
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("needs_shared_data") and (missing := shared_data_missing()):
+        pytest.skip(missing)
 
 
 def pytest_collection_modifyitems(items):
@@ -52,6 +79,8 @@ def jvm_archive(tmp_path_factory):
     """The class archive (`kfed-spark jvm-archive`) that every local Spark of the tests and of the processes
     they start begins from, as a user's would once written: written here once per machine and Spark version
     (about 80 s), it saves 4-5 s of every JVM start after it."""
+    from kfed_spark.session import jvm_archive_file, write_jvm_archive
+
     archive = jvm_archive_file()
     if archive is not None and not archive.is_file():
         write_jvm_archive(archive, tmp_path_factory.mktemp("jvm-archive"))
@@ -95,6 +124,8 @@ but their time from 296-314 s to 354 s (a 3-minute retention instead: 414 s). So
 
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory, jvm_archive):
+    from kfed_spark.session import build_session
+
     warehouse = tmp_path_factory.mktemp("warehouse")
     conf = {**TEST_SPARK_CONF, "spark.driver.memory": SESSION_HEAP, "spark.sql.warehouse.dir": str(warehouse)}
     session = build_session(SparkConfig(master="local[2]", app_name="kfed-tests", conf=conf))
@@ -105,6 +136,8 @@ def spark(tmp_path_factory, jvm_archive):
 @pytest.fixture(scope="session")
 def mixture_path(tmp_path_factory):
     """A separated 12-cluster mixture: 60 devices x 100 rows, 3 clusters per device, d = 8."""
+    from kfed_spark.bench.synthetic import write_mixture
+
     path = tmp_path_factory.mktemp("mixture")
     write_mixture(path, **MIXTURE)
     return str(path)

@@ -1,4 +1,5 @@
-"""Helpers shared by the test modules."""
+"""Helpers shared by the test modules. conftest.py imports this module in every test process, fast tier
+included: what needs Spark or the kernels is imported by the helper that uses it."""
 
 import os
 import socket
@@ -11,20 +12,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kfed_spark.bench.datasets import default_data_dir
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig
-from kfed_spark.fitting import fit, label_rows
-from kfed_spark.io import OutputTables
-from kfed_spark.tables import TABLE_COMMENTS
 
 
 def published(spark, out, name):
     """The published rows of one output table (what every documented read path shows)."""
+    from kfed_spark.io import OutputTables
+
     return OutputTables(spark, OutputConfig(path=str(out))).published(name)
 
 
 def assert_commented(spark, path, name):
     """The Delta table at path carries its table comment and a comment on every column."""
+    from kfed_spark.tables import TABLE_COMMENTS
+
     assert spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first().description == TABLE_COMMENTS[name]
     columns = {
         row.col_name: row.comment
@@ -36,6 +37,8 @@ def assert_commented(spark, path, name):
 
 def runs_of(spark, out):
     """Every attempt recorded under an output location, oldest first."""
+    from kfed_spark.io import OutputTables
+
     return OutputTables(spark, OutputConfig(path=str(out))).read("runs").orderBy("started_at").collect()
 
 
@@ -95,6 +98,8 @@ def write_empty_config(tmp_path):
 def fitted_labels(raw, input_settings=None, **settings):
     """Fit k-FED to a DataFrame and label its rows through the fit layer alone (no table written):
     the Clustering and a pandas frame of every labelled row's columns, cluster_id and local_cluster_id."""
+    from kfed_spark.fitting import fit, label_rows
+
     cfg = KFedConfig(input=InputConfig(**(input_settings or {})), **settings)
     cfg.check()
     clustering = fit(raw, cfg)
@@ -140,10 +145,18 @@ def readme_device_profile_queries() -> list[str]:
     return [query.strip() for query in text[start : text.index("```", start)].split(";") if query.strip()]
 
 
-needs_shared_data = pytest.mark.skipif(
-    not default_data_dir().is_dir(),
-    reason=f"the real datasets are not at {default_data_dir()} (set KFED_DATA_DIR, or lay shared/ beside the clone)",
-)
+needs_shared_data = pytest.mark.needs_shared_data
+"""A test that reads the real datasets: conftest.py skips it where they are not (shared_data_missing)."""
+
+
+def shared_data_missing() -> str | None:
+    """Why the real datasets cannot be read here, or None if they can."""
+    from kfed_spark.bench.datasets import default_data_dir
+
+    folder = default_data_dir()
+    if folder.is_dir():
+        return None
+    return f"the real datasets are not at {folder} (set KFED_DATA_DIR, or lay shared/ beside the clone)"
 
 
 def report_folder(out, run_id) -> Path:
