@@ -1,6 +1,7 @@
 """The benchmark's reports on a tiny mixture: every contender measured, fresh processes and one warm session."""
 
 import json
+import sys
 
 import pytest
 
@@ -143,27 +144,16 @@ def test_distributed_server_benchmark_merges_generated_centers_in_spark(spark, t
 
 
 @pytest.mark.fast
-def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path):
+def test_benchmarks_without_scikit_learn_say_so_before_any_work(tmp_path, monkeypatch, capsys):
     """A plain install has no scikit-learn; the benchmarks refuse in one line instead of failing at the end."""
-    import subprocess
-    import sys
+    from kfed_spark.cli import main
 
-    blocked = "import sys; sys.modules['sklearn'] = None; from kfed_spark.cli import main; sys.exit(main(sys.argv[1:]))"
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if not installed: find_spec and import say so
     hints = {"bench": "or pass --no-sklearn", "bench-quality": "(its centralized baseline)"}
     hints["bench-paper"] = "(its centralized k-means)"
-    started = {  # side by side: each is a Python start-up
-        name: subprocess.Popen(
-            [sys.executable, "-c", blocked, name, "--out", str(tmp_path / name)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in hints
-    }
-    for name, process in started.items():
-        _, stderr = process.communicate(timeout=120)
-        assert process.returncode == 2, stderr[-2000:]
-        assert stderr.strip().splitlines()[-1] == (
-            f"kfed-spark: error: {name} needs scikit-learn: pip install 'kfed-spark[bench]' {hints[name]}"
+    for name, hint in hints.items():
+        assert main([name, "--out", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"kfed-spark: error: {name} needs scikit-learn: pip install 'kfed-spark[bench]' {hint}"
         )
         assert not (tmp_path / name).exists()

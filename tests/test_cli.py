@@ -1,7 +1,4 @@
-"""The command line's shape: what every command shares, and what a run does not import."""
-
-import subprocess
-import sys
+"""The command line's shape: what every command shares (what a run does not import: tests/test_modules.py)."""
 
 import pytest
 
@@ -13,16 +10,6 @@ pytestmark = pytest.mark.fast
 
 def test_the_parser_names_the_datasets_the_tooling_knows():
     assert set(DATASET_NAMES) == set(DATASETS)
-
-
-def test_a_run_imports_none_of_the_benchmarks_tooling():
-    """What `kfed-spark run` imports before its Spark session: the CLI, the job and the session."""
-    code = (
-        "import sys, kfed_spark.cli, kfed_spark.job, kfed_spark.session; "
-        "print(sorted(m for m in sys.modules if m.startswith('kfed_spark.bench')))"
-    )
-    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert imported.strip() == "[]"
 
 
 @pytest.mark.parametrize("command", ["run", "assign", "stream"])

@@ -119,21 +119,6 @@ def test_bad_rows_get_no_prediction_and_are_not_dropped(spark):
     assert out.prediction[1] == out.prediction[3] != out.prediction[2]
 
 
-@pytest.mark.fast
-def test_the_estimator_needs_neither_delta_spark_nor_the_job():
-    """A notebook without delta-spark imports the estimator; it brings the fit layer, not the job's stages."""
-    import subprocess
-    import sys
-
-    check = (
-        "import sys; sys.modules['delta'] = None; import kfed_spark.estimator; "
-        "print(sorted(m for m in ('kfed_spark.job', 'kfed_spark.attempts', 'kfed_spark.bench') if m in sys.modules))"
-    )
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "[]"
-
-
 @pytest.mark.spark
 def test_a_reference_model_s_ids_and_the_optional_distance_and_margin(spark, mixture_path):
     rows = spark.read.parquet(mixture_path)

@@ -1,6 +1,10 @@
-"""The package's shape: no module of kfed_spark takes part in an import cycle, lazy imports included."""
+"""The package's shape: no module of kfed_spark takes part in an import cycle, lazy imports included, and
+each entry point leaves out what it does not need."""
 
 import ast
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -73,3 +77,59 @@ def test_no_module_is_in_an_import_cycle():
 def test_the_cycle_check_sees_a_cycle_through_a_lazy_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"a"}}) == [["a"]] and cycles({"a": {"b"}, "b": set()}) == []
+
+
+@dataclass(frozen=True)
+class ImportLimit:
+    imports: str  # what an entry point imports
+    left_out: tuple[str, ...]  # packages or modules that must not come with it
+    why: str
+    missing: tuple[str, ...] = ()  # packages not installed where it runs
+
+    def script(self) -> str:
+        """A fresh interpreter's check: the modules of left_out that the imports loaded."""
+        missing = "".join(f"sys.modules[{name!r}] = None; " for name in self.missing)
+        return (
+            f"import sys; {missing}import {self.imports}; "
+            f"print(sorted(m for m in sys.modules if any(m == o or m.startswith(o + '.') for o in {self.left_out!r})))"
+        )
+
+
+IMPORT_LIMITS = [
+    ImportLimit(
+        "kfed_spark.cli, kfed_spark.job, kfed_spark.session",
+        ("kfed_spark.bench",),
+        "`kfed-spark run` before its Spark session imports none of the benchmarks' tooling",
+    ),
+    ImportLimit(
+        "kfed_spark.estimator",
+        ("kfed_spark.job", "kfed_spark.attempts", "kfed_spark.bench"),
+        "a notebook without delta-spark imports the estimator: the fit layer, not the job's stages",
+        missing=("delta",),
+    ),
+    ImportLimit(
+        "kfed_spark.workers",
+        ("scipy",),
+        "every Python worker of a run imports kfed_spark.workers; scipy's statistics would cost it 0.4 s (the "
+        "privacy accounting imports them only when a run has a budget)",
+    ),
+]
+
+
+def test_each_entry_point_leaves_out_what_it_does_not_need():
+    """Each in an interpreter of its own, all side by side (each is a Python start-up)."""
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", limit.script()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for limit in IMPORT_LIMITS
+    ]
+    for limit, process in zip(IMPORT_LIMITS, started):
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]
+        assert out.strip() == "[]", limit.why
+
+
+def test_the_import_check_sees_a_module_that_comes_along():
+    check = ImportLimit("json", ("json.decoder",), "json's package loads its decoder").script()
+    assert subprocess.run([sys.executable, "-c", check], capture_output=True, text=True).stdout.strip() != "[]"

@@ -17,19 +17,18 @@ def test_the_progress_bar_is_on_only_where_stderr_is_a_terminal(tmp_path):
         "print(console_progress({} if len(sys.argv) < 2 else {'spark.ui.showConsoleProgress': sys.argv[1]}))"
     )
 
-    def decided(stderr, *conf):
-        return subprocess.run(
-            [sys.executable, "-c", check, *conf], stderr=stderr, stdout=subprocess.PIPE, text=True, check=True
-        ).stdout.strip()
+    def started(stderr, *conf):
+        return subprocess.Popen([sys.executable, "-c", check, *conf], stderr=stderr, stdout=subprocess.PIPE, text=True)
 
     terminal, terminal_end = pty.openpty()
     try:
         with open(tmp_path / "stderr.log", "w") as log_file:
-            assert (decided(terminal_end), decided(log_file), decided(terminal_end, "false")) == (
+            side_by_side = [started(terminal_end), started(log_file), started(terminal_end, "false")]
+            assert [process.communicate(timeout=60)[0].strip() for process in side_by_side] == [
                 "true",
                 "false",
                 "false",
-            )
+            ]
     finally:
         os.close(terminal)
         os.close(terminal_end)

@@ -164,14 +164,3 @@ def test_labelling_a_device_without_local_centers_fails_clearly():
     batch = with_reasons(rows_batch([2], np.array([[1.0]])), [None])
     with pytest.raises(ValueError, match="device 2 has no local centers"):
         labelled(batch, model, 1)
-
-
-def test_a_python_worker_imports_no_scipy():
-    """Every Python worker of a run imports this module; scipy's statistics would cost it 0.4 s (the privacy
-    accounting imports them only when a run has a budget)."""
-    import subprocess
-    import sys
-
-    code = "import sys, kfed_spark.workers; print(sorted({m.split('.')[0] for m in sys.modules} & {'scipy'}))"
-    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert imported.strip() == "[]"
