@@ -14,7 +14,7 @@ from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.bench.synthetic import mixture, two_days
 from kfed_spark.cli import main
 from kfed_spark.identity import ClusterSummary, match_clusters, matching_by_ids
-from kfed_spark.kernels import assigned_with_margin, local_clusterings, server_step
+from kfed_spark.kernels import assigned_with_margin, local_clusterings, nearest_center, server_step
 from kfed_spark.metrics import adjusted_rand_index
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.workers import feature_matrix
@@ -22,14 +22,14 @@ from kfed_spark.workers import feature_matrix
 K = 20
 
 
-def summary(table, params, initial=None) -> tuple[ClusterSummary, np.ndarray]:
-    """The federated clustering of a table's rows, as matching knows it, and each row's cluster position."""
+def summary(table, params, initial=None, local=None) -> tuple[ClusterSummary, np.ndarray]:
+    """The federated clustering of a table's rows, as matching knows it, and each row's cluster position;
+    local: the rows' local step, if already taken (it does not depend on the server's settings)."""
     x, devices = feature_matrix(table.column("features")), table.column("device_id").to_numpy()
-    local = local_clusterings(x, devices, params)
+    local = local_clusterings(x, devices, params) if local is None else local
     server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
-    gap = x[:, None, :] - server.centers[None]
-    labels = np.argmin((gap**2).sum(axis=2), axis=1)
-    sse = np.bincount(labels, weights=((x - server.centers[labels]) ** 2).sum(axis=1), minlength=params.k)
+    labels, sq_dist = nearest_center(x, server.centers)
+    sse = np.bincount(labels, weights=sq_dist, minlength=params.k)
     return ClusterSummary(
         np.arange(params.k),
         server.centers,
@@ -84,11 +84,16 @@ def test_a_warm_start_from_yesterday_finds_today_s_clusters():
     """Seeds from day 1's centers: the gone cluster's seed is dropped, the new cluster is seeded by the rule."""
     day_one, day_two = two_days(k=K)
     truth = day_two.column("true_cluster").to_numpy()
+    local_step = AlgorithmParams(k=K, k_per_device=4)
+    local_one, local_two = (
+        local_clusterings(feature_matrix(day.column("features")), day.column("device_id").to_numpy(), local_step)
+        for day in (day_one, day_two)
+    )
     for seeding in ("kmeanspp", "farthest"):
-        params = AlgorithmParams(k=K, k_per_device=4, seeding=seeding)
-        yesterday, _ = summary(day_one, params)
-        _, cold = summary(day_two, params)
-        _, warm = summary(day_two, params, initial=yesterday.centers)
+        params = dataclasses.replace(local_step, seeding=seeding)
+        yesterday, _ = summary(day_one, params, local=local_one)
+        _, cold = summary(day_two, params, local=local_two)
+        _, warm = summary(day_two, params, initial=yesterday.centers, local=local_two)
         assert adjusted_rand_index(truth, warm) >= adjusted_rand_index(truth, cold) - 0.005
         assert adjusted_rand_index(truth, warm) > 0.99
 
