@@ -120,7 +120,9 @@ def test_a_private_run_records_its_budget_and_shares_noisy_centers(spark, config
     local = published(spark, out, "local_centers").toPandas()
     assert local.n_points.min() >= 3 and local.sse.isna().all()
     labels = labels_of(spark, out, "first").select("cluster_id", "true_cluster").toPandas()
-    assert len(labels) == N_ROWS and adjusted_rand_index(labels.true_cluster, labels.cluster_id) > 0.9
+    # The noise is drawn anew each run (never from the seed). Over 1,500 noise keys the numpy kernels' ARI on
+    # this mixture was 0.846 at the lowest and below 0.9 in 1.1% of them, two clusters merged (a CI run: 0.864).
+    assert len(labels) == N_ROWS and adjusted_rand_index(labels.true_cluster, labels.cluster_id) > 0.8
     assert main(["choose-k", "--output", str(out), "--k", "2:20"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "kfed-spark: error: the k sweep needs every local center's SSE, which a private run's devices do not share"
