@@ -29,7 +29,8 @@ JVM_FIXTURES = {"spark", "config", "published_run", "config_after_first_run", "s
 
 threadpool_limits(limits=1, user_api="blas")
 """The test process's numpy multiplies small matrices: a second BLAS thread only spins on a core that the JVM
-or another test process wants (the fast tier: 30.5 CPU-seconds with it, 23.4 without, and a second faster).
+or another test process wants (the fast tier: 30.5 CPU-seconds with that thread, 23.4 without it, and its
+wall time 1 s shorter).
 The processes the tests start keep their own BLAS threads."""
 
 MODULE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(fast|spark|integration)\b", re.MULTILINE)
