@@ -244,13 +244,14 @@ def tool_python(name: str, requirements: list[str]) -> Path:
 
 
 def bare_environment(folder: Path) -> dict[str, str]:
-    """What the workers see: a PATH whose python3 is a venv without packages, no PYSPARK_* or venv."""
+    """What the workers see: a PATH whose python3 is a venv without packages, no PYSPARK_*, SPARK_* (but
+    conftest's SPARK_SUBMIT_OPTS, a JVM option) or venv."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
     assert subprocess.run([folder / "bin" / "python3", "-c", "import numpy"], capture_output=True).returncode != 0
     env = {
         key: value
         for key, value in os.environ.items()
-        if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_"))
+        if not key.startswith(("PYSPARK", "VIRTUAL_ENV", "PYTHON", "SPARK_")) or key == "SPARK_SUBMIT_OPTS"
     }
     return {**env, "PATH": f"{folder / 'bin'}:/usr/bin:/bin", "SPARK_LOCAL_IP": "127.0.0.1"}
 

@@ -48,7 +48,6 @@ def test_views_persist_for_spark_sql_the_thrift_server_beeline_and_db_api(spark,
     assert reader_conf["spark.jars.packages"] == delta_package()  # the Delta the package installs
     properties_file = tmp_path / "kfed-catalog.conf"
     small = {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"}
-    small["spark.driver.extraJavaOptions"] = "-XX:TieredStopAtLevel=1"  # short-lived JVMs start faster
     properties_file.write_text(properties + "".join(f"{key} {value}\n" for key, value in small.items()))
 
     cfg = yaml.safe_load(config.read_text())
