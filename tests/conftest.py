@@ -222,7 +222,8 @@ def standalone_master(tmp_path_factory):
     """A master and two workers started from pyspark's own spark-class, stopped by pid afterwards; their
     python3 has no numpy."""
     logs = tmp_path_factory.mktemp("standalone")
-    env = bare_environment(logs / "bare")
+    # The executors the workers start are short-lived JVMs too; they inherit the workers' environment.
+    env = {**bare_environment(logs / "bare"), "JAVA_TOOL_OPTIONS": SHORT_JVM_OPTIONS}
     port = free_port()
     url = f"spark://127.0.0.1:{port}"
     spark_class = str(spark_home() / "bin" / "spark-class")
