@@ -38,8 +38,8 @@ SHORT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
 """Every JVM the tests start through spark-submit (a CLI run, spark-submit, the Connect and Thrift servers,
 Airflow's task) skips the optimising compiler, which spins a core for the seconds a short process lives:
 a fresh CLI run on a 20,000-row mixture took 31-33 CPU-seconds and 22-23 s with this (four runs), 54-67 and
-30-38 s without (six). The suite's own long-lived JVM keeps it (spark below): over four of its modules it was
-as fast or faster with it. A developer's own SPARK_SUBMIT_OPTS stays."""
+30-38 s without (six). The suite's own long-lived JVM keeps the optimising compiler (spark below): over four
+of its modules it was as fast or faster with it. A developer's own SPARK_SUBMIT_OPTS stays."""
 os.environ.setdefault("SPARK_SUBMIT_OPTS", SHORT_JVM_OPTIONS)
 
 MODULE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(fast|spark|integration)\b", re.MULTILINE)
