@@ -26,7 +26,7 @@ from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
+from pyspark.sql.types import ArrayType, DataType, DoubleType, MapType, StructField, StructType, UserDefinedType
 
 from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
 from kfed_spark.errors import AttemptConflict, InputError, KFedError, first_line
@@ -77,6 +77,30 @@ def stored_field(table: str, field: StructField) -> StructField:
             {"comment": f"{comment}, where it is a Spark ML vector; stored as array<double>"},
         )
     return StructField(field.name, field.dataType, field.nullable, {"comment": comment})
+
+
+def column_ddl(field: StructField) -> str:
+    """A column of CREATE TABLE: quoted name, type and comment, nullable at every depth (as the tables have
+    always been; Delta refuses a NOT NULL nested in an array). Written here rather than by toDDL, which
+    over Spark Connect needs the session active in the calling thread."""
+    comment = field.metadata.get("comment")
+    return f"{quoted(field.name)} {type_ddl(field.dataType)}" + (f" COMMENT {sql_string(comment)}" if comment else "")
+
+
+def type_ddl(data_type: DataType) -> str:
+    if isinstance(data_type, StructType):
+        return f"STRUCT<{', '.join(column_ddl(f) for f in data_type.fields)}>"
+    if isinstance(data_type, ArrayType):
+        return f"ARRAY<{type_ddl(data_type.elementType)}>"
+    if isinstance(data_type, MapType):
+        return f"MAP<{type_ddl(data_type.keyType)}, {type_ddl(data_type.valueType)}>"
+    if isinstance(data_type, UserDefinedType):
+        return type_ddl(data_type.sqlType())
+    return data_type.simpleString()
+
+
+def quoted(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
 
 
 def stored_columns(df: DataFrame) -> DataFrame:
@@ -214,31 +238,25 @@ class TableStore:
             yield
 
     def _create(self, name: str, schema: StructType, stats_columns: list[str] | None = None) -> None:
-        """Create a table, empty, with its comments and partitioning (partition_columns), in one commit
-        (CREATE TABLE AS SELECT from an empty view carries the column types and the comments); columns
-        as stored_field holds them."""
-        view = f"kfed_create_{name}_{uuid.uuid4().hex[:8]}"
+        """Create a table, empty, with its comments and partitioning (partition_columns), in one commit;
+        columns as stored_field holds them (column_ddl). A CREATE TABLE that lists its columns commits
+        metadata only: a new location's seven tables took 3.8 s in a fresh process, against 7.3 s as
+        CREATE TABLE AS SELECT from an empty view, which runs a write job per table."""
         properties = (
             ""
             if stats_columns is None
             else (
                 f"TBLPROPERTIES ('{STATS_COLUMNS_PROPERTY}' = "
-                f"{sql_string(','.join('`' + c.replace('`', '``') + '`' for c in stats_columns))}) "
+                f"{sql_string(','.join(quoted(c) for c in stats_columns))}) "
             )
         )
-        commented = StructType([stored_field(name, f) for f in schema.fields])
-        self.spark.createDataFrame([], commented).createOrReplaceTempView(view)
-        try:
-            with self.writing(name):
-                partitioned = (
-                    f"PARTITIONED BY ({', '.join(partition_columns(name))}) " if partition_columns(name) else ""
-                )
-                self.spark.sql(
-                    f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` USING delta {partitioned}"
-                    f"COMMENT {sql_string(TABLE_COMMENTS[name])} {properties}AS SELECT * FROM {view}"
-                )
-        finally:
-            self.spark.catalog.dropTempView(view)
+        columns = ", ".join(column_ddl(stored_field(name, f)) for f in schema.fields)
+        partitioned = f"PARTITIONED BY ({', '.join(partition_columns(name))}) " if partition_columns(name) else ""
+        with self.writing(name):
+            self.spark.sql(
+                f"CREATE TABLE IF NOT EXISTS delta.`{self.path(name)}` ({columns}) USING delta {partitioned}"
+                f"COMMENT {sql_string(TABLE_COMMENTS[name])} {properties}"
+            )
 
     def _write(self, df: DataFrame, name: str, mode: str, note: str, **options: str) -> None:
         writer = stored_columns(df).write.format("delta").mode(mode).option("userMetadata", note)

@@ -1,9 +1,11 @@
 """All Delta reads and writes of an output location (kfed_spark.io): the checks before any work, old
 locations, the catalog and relative paths."""
 
+import json
 import shutil
 
 import pytest
+from deltalake import DeltaTable
 
 from helpers import MIXTURE, assert_commented, labels_of, published, refused, run_cli, runs_of
 from kfed_spark.params import DEFAULTS
@@ -109,3 +111,28 @@ def test_every_table_and_column_carries_a_comment(spark, published_run):
         assert_commented(spark, out / name, name)
     labels = {row.col_name: row.comment for row in spark.sql(f"DESCRIBE delta.`{out / 'labels'}`").collect()}
     assert (labels["cluster_id"], labels["features"]) == ("the global cluster of the row", "as in the input table")
+
+
+def test_every_column_of_every_table_is_nullable_at_every_depth(published_run):
+    """The tables' schemas as their Delta logs hold them (read by delta-rs, not Spark): nullable columns,
+    array elements and struct fields, as Delta stores a table created from a query; a NOT NULL nested in
+    an array is one Delta refuses to create."""
+
+    def not_nullable(data_type: dict, where: str) -> list[str]:
+        if data_type.get("type") == "struct":
+            return [
+                found
+                for f in data_type["fields"]
+                for found in ([] if f["nullable"] else [f"{where}{f['name']}"])
+                + (not_nullable(f["type"], f"{where}{f['name']}.") if isinstance(f["type"], dict) else [])
+            ]
+        if data_type.get("type") == "array":
+            element = data_type["elementType"]
+            return ([] if data_type["containsNull"] else [f"{where}[]"]) + (
+                not_nullable(element, f"{where}[].") if isinstance(element, dict) else []
+            )
+        return []
+
+    _, out = published_run
+    found = {name: not_nullable(json.loads(DeltaTable(str(out / name)).schema().to_json()), "") for name in TABLES}
+    assert found == {name: [] for name in TABLES}

@@ -179,7 +179,7 @@ def test_rerunning_a_run_id_replaces_it_and_other_runs_stay(spark, config_after_
     ]
     history = spark.sql(f"DESCRIBE HISTORY delta.`{out / 'labels'}`").collect()
     operations = [h.operation for h in reversed(history)]
-    assert operations[0] == "CREATE TABLE AS SELECT" and operations.count("WRITE") == 3  # three attempts
+    assert operations[0] == "CREATE TABLE" and operations.count("WRITE") == 3  # three attempts
     published(spark, out, "labels").createOrReplaceTempView("kfed_labels")
     sizes = spark.sql(
         "SELECT cluster_id, count(*) AS n FROM kfed_labels WHERE run_id = 'second' GROUP BY cluster_id"
