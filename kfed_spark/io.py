@@ -372,9 +372,7 @@ class LocationChecks(TableStore):
         return added
 
     def _add_columns(self, name: str, added: list[StructField]) -> None:
-        columns = ", ".join(
-            f"{f.name} {f.dataType.simpleString()} COMMENT {sql_string(column_comment(name, f.name))}" for f in added
-        )
+        columns = ", ".join(column_ddl(f) for f in added)  # check_schema's fields: stored_field's, with comments
         try:
             with self.writing(name):
                 self.spark.sql(f"ALTER TABLE delta.`{self.path(name)}` ADD COLUMNS ({columns})")

@@ -101,6 +101,7 @@ def test_an_output_location_of_the_previous_version_gains_the_new_table_and_colu
     assert (rows["first"].local_restarts, rows["first"].robust_min_size) == (None, None)
     assert rows["second"].local_restarts == DEFAULTS.local_restarts
     assert rows["second"].robust_min_size == DEFAULTS.robust_min_size
+    assert_commented(spark, out / "runs", "runs")  # the added columns too
     assert published(spark, out, "device_clusters").filter("run_id = 'second'").count() > 0
 
 
