@@ -135,10 +135,10 @@ but their time from 296-314 s to 354 s (a 3-minute retention instead: 414 s). So
 INTERPRETED_SQL = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 """The suite's own session evaluates SQL expressions interpreted (factoryMode is Spark's switch for its own
 tests): each of its thousands of small queries would otherwise generate Java code, compile it with Janino, and
-leave the JVM's compilers to compile it again. test_forget.py and test_identity.py took 163 s and 219 JVM
-CPU-seconds so, against 206 s and 300 (optimising compiler 99 -> 72 CPU-seconds, executor tasks 72 -> 37);
-whole-stage code generation off alone changed nothing, and adaptive execution off as well cost 8 s. Every
-process the tests start (the CLI, spark-submit, the servers) generates code, as a user's does."""
+leave the JVM's compilers to compile it again. test_forget.py and test_identity.py took 150-163 s and 195-219
+JVM CPU-seconds so, against 205-206 s and 280-300 (optimising compiler 94-99 -> 64-72 CPU-seconds); whole-stage
+code generation off alone changed nothing, and adaptive execution off as well cost 8 s. Every process the tests
+start (the CLI, spark-submit, the servers) generates code, as a user's does."""
 
 
 @pytest.fixture(scope="session")
