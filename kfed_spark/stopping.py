@@ -13,6 +13,10 @@ STREAM_STOPPED = (
 )
 
 
+INTERRUPT_WAIT_SECONDS = 5.0
+"""How long a SIGTERM waits for the interrupt of the session's Spark work before the run records its failure."""
+
+
 class StopRequest(threading.Event):
     """Set when the process was asked to stop (SIGTERM): whatever exception the stop then causes (PySpark
     may raise a cancelled job's error in place of Terminated), the failure is the stop, and `message`
@@ -37,7 +41,7 @@ def stop_on_sigterm(message: str = STOPPED) -> None:
     The main thread may be waiting inside a py4j call (a count, a write), whose connection cannot
     carry another command until it returns: so the session is the one build_session remembered
     (asking the JVM for the active one hung the process), and the interrupt goes from a thread of
-    its own, over its own connection.
+    its own, over its own connection; the handler waits for it (INTERRUPT_WAIT_SECONDS at most).
     """
 
     def handler(signum, frame):
@@ -46,7 +50,12 @@ def stop_on_sigterm(message: str = STOPPED) -> None:
         STOP_REQUESTED.set()
         spark = last_built_session()
         if spark is not None:
-            threading.Thread(target=spark.interruptAll, daemon=True).start()
+            interrupting = threading.Thread(target=spark.interruptAll, daemon=True)
+            interrupting.start()
+            # Raise once the interrupt is done: the failure's own Spark work (recording the attempt as
+            # failed) comes next, and an interrupt landing after it started cancelled that too (on a busy
+            # machine), which left the attempt recorded as running.
+            interrupting.join(INTERRUPT_WAIT_SECONDS)
         raise Terminated(message)
 
     STOP_REQUESTED.message = message
