@@ -290,9 +290,8 @@ def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_reade
     assert_whole(what_readers_see(spark, out), published_attempt(spark, out), 5)
 
 
-def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, config, tmp_path):
-    out = tmp_path / "out"
-    assert main(["run", "--config", str(config)]) == 0
+def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, config_after_first_run, tmp_path):
+    config, out = config_after_first_run, tmp_path / "out"
     old = published_attempt(spark, out)
     process = start(config, "k=6", fault="stall")  # every local-step task hangs
     before = []
