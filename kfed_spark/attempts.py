@@ -32,6 +32,7 @@ from datetime import datetime, timedelta, timezone
 
 from kfed_spark.errors import AttemptConflict, ConfigError, first_line
 from kfed_spark.io import OutputTables, attempt_filter
+from kfed_spark.stopping import despite_the_stop
 from kfed_spark.tables import RUNS_SCHEMA, RunRecord
 
 log = logging.getLogger("kfed_spark")
@@ -159,32 +160,35 @@ class Ledger:
 
     def fail(self, row: RunRecord, error: str) -> None:
         """Record a failed attempt, after deleting its rows (best effort: the next tidy-up retries).
-        An attempt whose publish commit landed before the failure stays published. What this process
-        never began (a publish, a write) is not read or deleted: a stop on SIGTERM has seconds."""
+        An attempt whose publish commit landed before the failure stays published, and one that began to
+        publish and whose record cannot be read is left as it is. What this process never began (a
+        publish, a write) is not read or deleted: a stop on SIGTERM has seconds."""
         key = (row.run_id, row.attempt_id)
-        try:
-            if key in self.publishing and self.status_of(*key) == SUCCEEDED:
+        if key in self.publishing:
+            try:
+                published = despite_the_stop(lambda: self.status_of(*key)) == SUCCEEDED
+            except Exception as exc:
+                log.warning(
+                    "could not read the record of attempt %s, which began to publish; the next tidy-up settles it: %s",
+                    row.attempt_id,
+                    first_line(exc),
+                )
+                return
+            if published:
                 log.warning("attempt %s failed after it was published: %s", row.attempt_id, error)
                 return
-        except Exception as exc:
-            log.warning("could not read the record of attempt %s: %s", row.attempt_id, first_line(exc))
         removed = key not in self.tables.attempts_begun
         try:
             if not removed:
-                self.tables.delete_attempt(*key)
+                despite_the_stop(lambda: self.tables.delete_attempt(*key))
                 removed = True
         except Exception as exc:
             log.warning("could not delete the rows of failed attempt %s: %s", row.attempt_id, first_line(exc))
+        failed = row.changed(
+            status=FAILED, error=error, publish_seq=None, rows_removed=removed, finished_at=datetime.now(timezone.utc)
+        )
         try:
-            self.write(
-                row.changed(
-                    status=FAILED,
-                    error=error,
-                    publish_seq=None,
-                    rows_removed=removed,
-                    finished_at=datetime.now(timezone.utc),
-                )
-            )
+            despite_the_stop(lambda: self.write(failed))
         except Exception as exc:
             log.warning("could not record failed attempt %s: %s", row.attempt_id, first_line(exc))
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 STOPPED = "stopped by SIGTERM; the attempt was recorded as failed and nothing of it was published"
 STREAM_STOPPED = (
@@ -23,9 +26,32 @@ class StopRequest(threading.Event):
     says what it means for the command that was running."""
 
     message = STOPPED
+    interrupting: threading.Thread | None = None
+    """The thread interrupting the session's Spark work, once a stop started one."""
+
+    def interrupt_pending(self) -> bool:
+        return self.interrupting is not None and self.interrupting.is_alive()
 
 
 STOP_REQUESTED = StopRequest()
+
+
+def despite_the_stop(action: Callable[[], T]) -> T:
+    """Run `action`, Spark work that records what a stop left behind. The stop's interrupt cancels every
+    Spark job active when Spark processes it; on a busy machine that can come after the handler stopped
+    waiting for it, and so cancel this work too. If the interrupt was still under way when `action`
+    began and `action` fails, wait for the interrupt to finish (INTERRUPT_WAIT_SECONDS at most) and run
+    `action` once more: so `action` must be safe to run twice."""
+    pending = STOP_REQUESTED.interrupt_pending()
+    try:
+        return action()
+    except Exception:
+        if not pending:
+            raise
+        STOP_REQUESTED.interrupting.join(INTERRUPT_WAIT_SECONDS)
+        if STOP_REQUESTED.interrupt_pending():
+            raise
+        return action()
 
 
 class Terminated(KeyboardInterrupt):
@@ -41,7 +67,8 @@ def stop_on_sigterm(message: str = STOPPED) -> None:
     The main thread may be waiting inside a py4j call (a count, a write), whose connection cannot
     carry another command until it returns: so the session is the one build_session remembered
     (asking the JVM for the active one hung the process), and the interrupt goes from a thread of
-    its own, over its own connection; the handler waits for it (INTERRUPT_WAIT_SECONDS at most).
+    its own, over its own connection; the handler waits for it (INTERRUPT_WAIT_SECONDS at most), and
+    the failure's records wait for it too (despite_the_stop).
     """
 
     def handler(signum, frame):
@@ -50,12 +77,12 @@ def stop_on_sigterm(message: str = STOPPED) -> None:
         STOP_REQUESTED.set()
         spark = last_built_session()
         if spark is not None:
-            interrupting = threading.Thread(target=spark.interruptAll, daemon=True)
-            interrupting.start()
-            # Raise once the interrupt is done: the failure's own Spark work (recording the attempt as
-            # failed) comes next, and an interrupt landing after it started cancelled that too (on a busy
-            # machine), which left the attempt recorded as running.
-            interrupting.join(INTERRUPT_WAIT_SECONDS)
+            STOP_REQUESTED.interrupting = threading.Thread(target=spark.interruptAll, daemon=True)
+            STOP_REQUESTED.interrupting.start()
+            # Raise once the interrupt is done, if it is done soon: the failure's own Spark work (recording
+            # the attempt as failed) comes next, and an interrupt that lands after it began cancels it too
+            # (despite_the_stop then runs it again).
+            STOP_REQUESTED.interrupting.join(INTERRUPT_WAIT_SECONDS)
         raise Terminated(message)
 
     STOP_REQUESTED.message = message

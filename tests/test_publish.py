@@ -309,7 +309,7 @@ def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, 
     assert last_line(err).startswith("kfed-spark: error: stopped by SIGTERM")
     assert stopped_after < 15, err[-3000:]
     (attempt,) = [r for r in runs_of(spark, out) if r.attempt_id != old]
-    assert (attempt.status, attempt.rows_removed) == ("failed", True)
+    assert (attempt.status, attempt.rows_removed) == ("failed", True), err[-3000:]
     assert attempt.error.startswith("stopped by SIGTERM") and "validate" in attempt.timings
     assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
 

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from kfed_spark.stopping import (
     STOPPED,
     STREAM_STOPPED,
     Terminated,
+    despite_the_stop,
     silence_spark_after_stop,
     stop_on_sigterm,
 )
@@ -29,6 +31,7 @@ def own_sigterm(monkeypatch):
     signal.signal(signal.SIGTERM, previous)
     STOP_REQUESTED.clear()
     STOP_REQUESTED.message = STOPPED
+    STOP_REQUESTED.interrupting = None
 
 
 def test_sigterm_raises_terminated_saying_what_the_stop_left_and_marks_the_stop(own_sigterm):
@@ -45,3 +48,42 @@ def test_without_a_session_there_is_nothing_to_silence(own_sigterm):
     started = time.monotonic()
     silence_spark_after_stop()
     assert time.monotonic() - started < 1
+
+
+def work_that_an_interrupt_cancels(interrupted: threading.Event, tries: list[str]):
+    """Work lasting 0.3 s that fails if the interrupt lands while it runs, as a cancelled Spark job does."""
+
+    def work():
+        before = interrupted.is_set()
+        time.sleep(0.3)
+        tries.append("cancelled" if interrupted.is_set() and not before else "done")
+        if tries[-1] == "cancelled":
+            raise RuntimeError("job cancelled")
+        return len(tries)
+
+    return work
+
+
+def test_work_that_a_late_interrupt_cancelled_runs_again_once_the_interrupt_is_done(own_sigterm):
+    interrupted, tries = threading.Event(), []
+    STOP_REQUESTED.set()
+    STOP_REQUESTED.interrupting = threading.Thread(target=lambda: (time.sleep(0.1), interrupted.set()))
+    STOP_REQUESTED.interrupting.start()
+    assert despite_the_stop(work_that_an_interrupt_cancels(interrupted, tries)) == 2
+    assert tries == ["cancelled", "done"]
+
+
+def test_work_that_fails_after_the_interrupt_was_done_is_not_run_again(own_sigterm):
+    interrupted, tries = threading.Event(), []
+    STOP_REQUESTED.set()
+    STOP_REQUESTED.interrupting = threading.Thread(target=interrupted.set)
+    STOP_REQUESTED.interrupting.start()
+    STOP_REQUESTED.interrupting.join()
+
+    def failing():
+        tries.append("failed")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        despite_the_stop(failing)
+    assert tries == ["failed"]
