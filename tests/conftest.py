@@ -3,6 +3,7 @@
 Every test process imports this module, the fast tier's included: what starts Spark or writes data is
 imported by the fixture that does it."""
 
+import fcntl
 import json
 import os
 import re
@@ -88,12 +89,17 @@ def no_jvm_in_the_fast_tier(request, monkeypatch):
 def jvm_archive(tmp_path_factory):
     """The class archive (`kfed-spark jvm-archive`) that every local Spark of the tests and of the processes
     they start begins from, as a user's would once written: written here once per machine and Spark version
-    (about 80 s), it saves 4-5 s of every JVM start after it."""
+    (about 80 s), it saves 4-5 s of every JVM start after it. Of two xdist workers one writes it (its first
+    Spark start resolves Delta's jars into the Ivy cache, and remembers them) while the other waits."""
     from kfed_spark.session import jvm_archive_file, write_jvm_archive
 
     archive = jvm_archive_file()
     if archive is not None and not archive.is_file():
-        write_jvm_archive(archive, tmp_path_factory.mktemp("jvm-archive"))
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        with open(archive.with_name(f"{archive.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not archive.is_file():
+                write_jvm_archive(archive, tmp_path_factory.mktemp("jvm-archive"))
     return archive
 
 
