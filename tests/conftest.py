@@ -80,7 +80,9 @@ test, handed out after the others, ran 2 minutes past the other worker's end).""
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # xdist's: modules by number of tests; keep LONGEST_MODULES'
+    """xdist hands out modules with the most tests first unless told not to: keep the order that
+    pytest_collection_modifyitems gives them."""
+    if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 
 
