@@ -37,18 +37,20 @@ STOP_REQUESTED = StopRequest()
 
 
 def despite_the_stop(action: Callable[[], T]) -> T:
-    """Run `action`, Spark work that records what a stop left behind. The stop's interrupt cancels every
-    Spark job active when Spark processes it; on a busy machine that can come after the handler stopped
-    waiting for it, and so cancel this work too. If the interrupt was still under way when `action`
-    began and `action` fails, wait for the interrupt to finish (INTERRUPT_WAIT_SECONDS at most) and run
-    `action` once more: so `action` must be safe to run twice."""
-    pending = STOP_REQUESTED.interrupt_pending()
+    """Run `action`, Spark work that records what a stop left behind; if it fails after a stop was
+    requested, wait for the stop's interrupt to finish (INTERRUPT_WAIT_SECONDS at most) and run `action`
+    once more: so `action` must be safe to run twice. On a busy machine the stop breaks such work in two
+    ways, both seen under two test workers: the interrupt cancels every Spark job active when Spark
+    processes it, which can come after the handler stopped waiting for it; and the first py4j call after
+    the interrupted one can get an empty answer from the JVM (py4j, dropping the interrupted call's
+    connection, shuts down the JVM's side of the connections to the same address)."""
     try:
         return action()
     except Exception:
-        if not pending:
+        if not STOP_REQUESTED.is_set():
             raise
-        STOP_REQUESTED.interrupting.join(INTERRUPT_WAIT_SECONDS)
+        if STOP_REQUESTED.interrupting is not None:
+            STOP_REQUESTED.interrupting.join(INTERRUPT_WAIT_SECONDS)
         if STOP_REQUESTED.interrupt_pending():
             raise
         return action()

@@ -73,12 +73,25 @@ def test_work_that_a_late_interrupt_cancelled_runs_again_once_the_interrupt_is_d
     assert tries == ["cancelled", "done"]
 
 
-def test_work_that_fails_after_the_interrupt_was_done_is_not_run_again(own_sigterm):
-    interrupted, tries = threading.Event(), []
+def test_work_that_fails_after_the_interrupt_was_done_runs_once_more(own_sigterm):
+    """The first py4j call after the interrupted one can fail with an empty answer from the JVM."""
+    tries = []
     STOP_REQUESTED.set()
-    STOP_REQUESTED.interrupting = threading.Thread(target=interrupted.set)
+    STOP_REQUESTED.interrupting = threading.Thread(target=lambda: None)
     STOP_REQUESTED.interrupting.start()
     STOP_REQUESTED.interrupting.join()
+
+    def fails_once():
+        tries.append("failed" if not tries else "done")
+        if tries[-1] == "failed":
+            raise RuntimeError("Answer from Java side is empty")
+        return len(tries)
+
+    assert despite_the_stop(fails_once) == 2
+
+
+def test_without_a_stop_failing_work_is_not_run_again(own_sigterm):
+    tries = []
 
     def failing():
         tries.append("failed")
