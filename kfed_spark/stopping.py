@@ -42,8 +42,8 @@ def despite_the_stop(action: Callable[[], T]) -> T:
     once more: so `action` must be safe to run twice. On a busy machine the stop breaks such work in two
     ways, both seen under two test workers: the interrupt cancels every Spark job active when Spark
     processes it, which can come after the handler stopped waiting for it; and the first py4j call after
-    the interrupted one can get an empty answer from the JVM (py4j, dropping the interrupted call's
-    connection, shuts down the JVM's side of the connections to the same address)."""
+    the interrupted one can get an empty answer from the JVM (py4j, on the interrupted call, asks the JVM
+    to shut down that call's socket and closes every pooled connection to it)."""
     try:
         return action()
     except Exception:
