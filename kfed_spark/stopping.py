@@ -29,9 +29,6 @@ class StopRequest(threading.Event):
     interrupting: threading.Thread | None = None
     """The thread interrupting the session's Spark work, once a stop started one."""
 
-    def interrupt_pending(self) -> bool:
-        return self.interrupting is not None and self.interrupting.is_alive()
-
 
 STOP_REQUESTED = StopRequest()
 
@@ -49,10 +46,11 @@ def despite_the_stop(action: Callable[[], T]) -> T:
     except Exception:
         if not STOP_REQUESTED.is_set():
             raise
-        if STOP_REQUESTED.interrupting is not None:
-            STOP_REQUESTED.interrupting.join(INTERRUPT_WAIT_SECONDS)
-        if STOP_REQUESTED.interrupt_pending():
-            raise
+        interrupting = STOP_REQUESTED.interrupting
+        if interrupting is not None:
+            interrupting.join(INTERRUPT_WAIT_SECONDS)
+            if interrupting.is_alive():
+                raise
         return action()
 
 
