@@ -4,8 +4,9 @@
 `wait:POINT:FILE` waits there until FILE exists (after creating FILE.<pid>, so that a test knows it
 is waiting: to make two attempts overlap). `copy:FOLDER:INTO` copies FOLDER (the run's output location)
 to INTO/<point> at every point and goes on: each copy holds what a SIGKILL at that point would leave on
-disk, so one process gives the states of every kill point. In the local-step tasks, `fail_first_attempt` makes
-every task fail its first attempt (Spark retries it) and `stall` makes them hang.
+disk, so one process gives the states of every kill point. Faults separated by `;` act in turn, each at its
+own point (`wait:checked:A;wait:before_publish:B`: wait at two points). In the local-step tasks,
+`fail_first_attempt` makes every task fail its first attempt (Spark retries it) and `stall` makes them hang.
 Not a user setting: nothing in the config or the README names it.
 """
 
@@ -34,7 +35,13 @@ def task_fault() -> str | None:
 
 def point(name: str) -> None:
     """A named point of a run where a test may kill, fail, pause or copy this process's output."""
-    action, _, rest = os.environ.get(FAULT_ENV, "").partition(":")
+    for fault in os.environ.get(FAULT_ENV, "").split(";"):
+        act(fault, name)
+
+
+def act(fault: str, name: str) -> None:
+    """Act out one fault (`action:point[:argument]`, or `copy:FOLDER:INTO`) at point `name`."""
+    action, _, rest = fault.partition(":")
     where, _, gate = rest.partition(":")
     if action == "copy":
         copy_location(Path(where), Path(gate) / name)

@@ -1,7 +1,7 @@
 """A run stays whole for its readers when it is killed, stopped or run twice: real processes, real Delta tables.
 
 Each run here is a `kfed-spark run` (or `kfed-spark forget`) process of its own, killed with SIGKILL (by a
-test hook at a named point, or from outside), stopped with SIGTERM, or started twice at once. The states a
+test hook at a named point, or from outside), stopped with SIGTERM, or started beside others at once. The states a
 SIGKILL leaves at each commit point come from three processes that copy their location at every point
 (Interrupted): at a point nothing more reaches the disk before the kill would, so each copy holds what
 that kill leaves, and its attempt's process is gone by the time the test reads it. One re-run is killed
@@ -314,58 +314,43 @@ def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, 
     assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
 
 
-def test_two_attempts_of_one_run_id_at_once_publish_exactly_one(spark, config_after_first_run, tmp_path):
-    """Both attempts do all their work, wait at the publish, and publish at the same moment."""
-    config, out = config_after_first_run, tmp_path / "out"
-    old = published_attempt(spark, out)
-    gate = tmp_path / "gate"
-    processes = [start(config, f"k={k}", fault=f"wait:before_publish:{gate}") for k in (6, 5)]
+def waiting_at(gate, processes: int) -> None:
+    """Wait until `processes` processes wait at `gate` (each made gate.<pid>: faults.point)."""
     deadline = time.monotonic() + 240
-    while len(list(tmp_path.glob("gate.*"))) < 2 and time.monotonic() < deadline:
+    while len(list(gate.parent.glob(f"{gate.name}.*"))) < processes and time.monotonic() < deadline:
         time.sleep(0.2)
-    gate.touch()
-    results = [finish(p) for p in processes]
-    codes = sorted(code for code, _, _ in results)
-    assert codes == [0, 1], [err[-1500:] for _, _, err in results]
-    loser_err = next(err for code, _, err in results if code == 1)
-    assert "was published at the same moment" in last_line(loser_err) or "was not published" in last_line(loser_err)
-    winner = published_attempt(spark, out)
-    assert winner != old
-    assert sorted(r.status for r in runs_of(spark, out)) == ["failed", "succeeded", "superseded"]
-    k = what_readers_see(spark, out)["centers"][winner]
-    assert k in (5, 6)
-    assert_whole(what_readers_see(spark, out), winner, k)
 
 
-def test_an_attempt_that_started_before_another_was_published_cannot_publish_after_it(spark, config, tmp_path):
+def test_first_runs_at_once_create_the_tables_and_each_run_id_publishes_one_attempt(spark, config, tmp_path):
+    """Three attempts start into an empty location: two of run `one` and one of run `two`.
+    - They create the tables at the same moment; the losers of each creation find the table there and go on.
+    - While they wait to publish, run `two` runs whole in this process: the attempt of `two` that started before
+      it was published cannot publish after it.
+    - The two attempts of `one` then publish at the same moment: exactly one does, the other fails in one line.
+    Readers see each run id's published attempt whole."""
     out = tmp_path / "out"
-    gate = tmp_path / "gate"
-    slow = start(config, "k=6", fault=f"wait:before_publish:{gate}")
-    deadline = time.monotonic() + 240
-    while not list(tmp_path.glob("gate.*")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert main(["run", "--config", str(config), "--set", "k=5"]) == 0  # runs whole while the first waits
-    gate.touch()
-    code, _, err = finish(slow)
+    created, publish_one, publish_two = (tmp_path / gate for gate in ("created", "publish_one", "publish_two"))
+    gates = f"wait:checked:{created};wait:before_publish:"
+    processes = {f"one, k={k}": start(config, "run_id=one", f"k={k}", fault=gates + str(publish_one)) for k in (6, 5)}
+    processes["two"] = start(config, "run_id=two", fault=gates + str(publish_two))
+    waiting_at(created, 3)
+    created.touch()  # the three create the tables at the same moment
+    waiting_at(publish_one, 2)
+    waiting_at(publish_two, 1)
+    assert main(["run", "--config", str(config), "--set", "run_id=two", "--set", "k=5"]) == 0
+    publish_two.touch()
+    publish_one.touch()  # both attempts of `one` publish at the same moment
+    results = {name: finish(process) for name, process in processes.items()}
+
+    code, _, err = results.pop("two")
     assert code == 1 and "was not published: attempt" in last_line(err), err[-2000:]
-    assert_whole(what_readers_see(spark, out), published_attempt(spark, out), 5)
-
-
-def test_two_first_runs_with_other_run_ids_into_an_empty_location_both_succeed(spark, config, tmp_path):
-    gate = tmp_path / "gate"
-    processes = [start(config, f"run_id={run_id}", fault=f"wait:checked:{gate}") for run_id in ("one", "two")]
-    deadline = time.monotonic() + 240
-    while len(list(tmp_path.glob("gate.*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    gate.touch()  # both now create the tables at the same moment
-    results = [finish(p) for p in processes]
-    assert [code for code, _, _ in results] == [0, 0], [err[-1500:] for _, _, err in results]
-    out = tmp_path / "out"
-    newest = max((r for r in runs_of(spark, out)), key=lambda r: r.finished_at).run_id
-    for run_id in ("one", "two"):
-        assert_whole(
-            what_readers_see(spark, out, run_id),
-            published_attempt(spark, out, run_id),
-            MIXTURE["k"],
-            latest=run_id == newest,
-        )
+    assert sorted(code for code, _, _ in results.values()) == [0, 1], [err[-1500:] for _, _, err in results.values()]
+    (loser_err,) = [err for code, _, err in results.values() if code == 1]
+    assert "was published at the same moment" in last_line(loser_err) or "was not published" in last_line(loser_err)
+    runs = runs_of(spark, out)
+    newest = max((r for r in runs if r.status == "succeeded"), key=lambda r: r.finished_at).run_id
+    for run_id, ks in (("one", (5, 6)), ("two", (5,))):  # `two`: this process's run
+        assert sorted(r.status for r in runs if r.run_id == run_id) == ["failed", "succeeded"], run_id
+        (published,) = [r for r in runs if r.run_id == run_id and r.status == "succeeded"]
+        assert published.k in ks and published.attempt_id == published_attempt(spark, out, run_id)
+        assert_whole(what_readers_see(spark, out, run_id), published.attempt_id, published.k, latest=run_id == newest)
