@@ -76,8 +76,9 @@ def test_views_persist_for_spark_sql_the_thrift_server_beeline_and_db_api(spark,
     assert spark_sql.returncode == 0, spark_sql.stderr[-3000:]
     assert spark_sql.stdout.split() == rows
 
-    # As the README: Delta's two jars on the driver's class path too, from Ivy's folder (delta-io/delta#1332).
-    ivy = Path.home() / ".ivy2.5.2" / "jars"
+    # As the README: Delta's two jars on the driver's class path too, from Ivy's folder (delta-io/delta#1332),
+    # which is under Java's user.home: the home folder /etc/passwd names, whatever HOME says.
+    ivy = Path(spark.sparkContext._jvm.java.lang.System.getProperty("user.home")) / ".ivy2.5.2" / "jars"
     delta_jars = [*ivy.glob("io.delta_delta-spark_*.jar"), *ivy.glob("io.delta_delta-storage-*.jar")]
     assert len(delta_jars) == 2, sorted(ivy.glob("io.delta_*"))
     port = free_port()
