@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,17 +118,26 @@ def no_jvm_in_the_fast_tier(request, monkeypatch):
 def jvm_archive(tmp_path_factory):
     """The class archive (`kfed-spark jvm-archive`) that every local Spark of the tests and of the processes
     they start begins from, as a user's would once written: written here once per machine and Spark version
-    (about 80 s), it saves 4-5 s of every JVM start after it. Of two xdist workers one writes it (its first
-    Spark start resolves Delta's jars into the Ivy cache, and remembers them) while the other waits."""
-    from kfed_spark.session import jvm_archive_file, write_jvm_archive
+    (about 80 s), it saves 4-5 s of every JVM start after it. Of two xdist workers one writes it; the other
+    waits only until that one's first Spark start has resolved Delta's jars into the Ivy cache (two
+    resolutions at once into one Ivy cache can fail), and goes on without the archive until it is there."""
+    from kfed_spark.session import jvm_archive_file, resolved_delta_jars, write_jvm_archive
 
     archive = jvm_archive_file()
     if archive is not None and not archive.is_file():
         archive.parent.mkdir(parents=True, exist_ok=True)
         with open(archive.with_name(f"{archive.name}.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not archive.is_file():
-                write_jvm_archive(archive, tmp_path_factory.mktemp("jvm-archive"))
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # another worker is writing it
+                    if resolved_delta_jars():
+                        return archive
+                    time.sleep(1)
+                    continue
+                if not archive.is_file():
+                    write_jvm_archive(archive, tmp_path_factory.mktemp("jvm-archive"))
+                return archive
     return archive
 
 
