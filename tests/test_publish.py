@@ -1,8 +1,8 @@
 """A run stays whole for its readers when it is killed, stopped or run twice: real processes, real Delta tables.
 
 Each run here is a `kfed-spark run` (or `kfed-spark forget`) process of its own, killed with SIGKILL (by a
-test hook at a named point, or from outside), stopped with SIGTERM, or started beside others at once. The states a
-SIGKILL leaves at each commit point come from three processes that copy their location at every point
+test hook at a named point, or from outside), stopped with SIGTERM, or started beside others at once. The
+states a SIGKILL leaves at each commit point come from three processes that copy their location at every point
 (Interrupted): at a point nothing more reaches the disk before the kill would, so each copy holds what
 that kill leaves, and its attempt's process is gone by the time the test reads it. One re-run is killed
 there for real.
@@ -55,6 +55,13 @@ def finish(process, timeout=300):
 def last_line(err):
     lines = [line for line in err.splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def waiting_at(gate, processes: int) -> None:
+    """Wait until `processes` processes wait at `gate` (each made gate.<pid>: faults.point)."""
+    deadline = time.monotonic() + 240
+    while len(list(gate.parent.glob(f"{gate.name}.*"))) < processes and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def what_readers_see(spark, out, run_id="first"):
@@ -314,13 +321,6 @@ def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, 
     assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
 
 
-def waiting_at(gate, processes: int) -> None:
-    """Wait until `processes` processes wait at `gate` (each made gate.<pid>: faults.point)."""
-    deadline = time.monotonic() + 240
-    while len(list(gate.parent.glob(f"{gate.name}.*"))) < processes and time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
 def test_first_runs_at_once_create_the_tables_and_each_run_id_publishes_one_attempt(spark, config, tmp_path):
     """Three attempts start into an empty location: two of run `one` and one of run `two`.
     - They create the tables at the same moment; the losers of each creation find the table there and go on.
@@ -347,10 +347,11 @@ def test_first_runs_at_once_create_the_tables_and_each_run_id_publishes_one_atte
     assert sorted(code for code, _, _ in results.values()) == [0, 1], [err[-1500:] for _, _, err in results.values()]
     (loser_err,) = [err for code, _, err in results.values() if code == 1]
     assert "was published at the same moment" in last_line(loser_err) or "was not published" in last_line(loser_err)
-    runs = runs_of(spark, out)
+    runs = [RunRecord.of(r.asDict()) for r in runs_of(spark, out)]
+    published = published_attempts(runs)
     newest = max((r for r in runs if r.status == "succeeded"), key=lambda r: r.finished_at).run_id
     for run_id, ks in (("one", (5, 6)), ("two", (5,))):  # `two`: this process's run
         assert sorted(r.status for r in runs if r.run_id == run_id) == ["failed", "succeeded"], run_id
-        (published,) = [r for r in runs if r.run_id == run_id and r.status == "succeeded"]
-        assert published.k in ks and published.attempt_id == published_attempt(spark, out, run_id)
-        assert_whole(what_readers_see(spark, out, run_id), published.attempt_id, published.k, latest=run_id == newest)
+        (succeeded,) = [r for r in runs if r.run_id == run_id and r.status == "succeeded"]
+        assert succeeded.k in ks and succeeded.attempt_id == published[run_id]
+        assert_whole(what_readers_see(spark, out, run_id), succeeded.attempt_id, succeeded.k, latest=run_id == newest)
