@@ -5,7 +5,7 @@ test hook at a named point, or from outside), stopped with SIGTERM, or started b
 states a SIGKILL leaves at each commit point come from three processes that copy their location at every point
 (Interrupted): at a point nothing more reaches the disk before the kill would, so each copy holds what
 that kill leaves, and its attempt's process is gone by the time the test reads it. One re-run is killed
-there for real.
+for real, from outside, once its labels are committed.
 After each, the test reads what every documented read path shows: the published views that
 `kfed-spark sql` and `output.database` define, latest_labels, `kfed-spark report` and the README's
 DuckDB recipe.
@@ -127,11 +127,11 @@ FORGET_DEVICE_3 = ("forget", "--device", "3", "--run", "first")
 class Interrupted:
     """The process of kill-point cases: `kfed-spark run` or `forget` (command), on an empty location or
     on a copy of published_run's (rerun), copying its location at every point as it goes on, or, when
-    killed_at is set, killed there."""
+    killed, killed with SIGKILL from outside once it logs its labels commit."""
 
     command: str
     rerun: bool
-    killed_at: str | None = None
+    killed: bool = False
 
 
 def interrupted_process(tmp_path_factory, mixture_path, published_run, case: Interrupted):
@@ -141,21 +141,33 @@ def interrupted_process(tmp_path_factory, mixture_path, published_run, case: Int
     if case.rerun:
         shutil.copytree(published_run[1], folder / "out")
     args = FORGET_DEVICE_3 if case.command == "forget" else ("run", "--set", "k=6")
-    fault = f"kill:{case.killed_at}" if case.killed_at else f"copy:{folder / 'out'}:{folder / 'copies'}"
-    code, _, err = finish(cli_process(*args, "--config", str(config), env={**clean_environment(), FAULT_ENV: fault}))
-    return code, err, folder / ("out" if case.killed_at else "copies")
+    if not case.killed:
+        fault = f"copy:{folder / 'out'}:{folder / 'copies'}"
+        code, _, err = finish(
+            cli_process(*args, "--config", str(config), env={**clean_environment(), FAULT_ENV: fault})
+        )
+        return code, err, folder / "copies"
+    process = cli_process(*args, "--config", str(config))
+    lines = []
+    for line in process.stderr:  # the job logs each commit as it lands
+        lines.append(line)
+        if f"wrote {folder / 'out' / 'labels'}" in line:
+            process.send_signal(signal.SIGKILL)
+            break
+    code, _, err = finish(process, timeout=60)
+    return code, "".join(lines) + err, folder / "out"
 
 
-KILLED_RERUN = Interrupted("run", True, killed_at="published")
-"""The case killed for real: a re-run at the point where it has the most left to do (its supersede)."""
-
-
-def run_case(rerun: bool, for_real: bool) -> Interrupted:
-    """The process a case of the run's kill-point test reads."""
-    return KILLED_RERUN if for_real else Interrupted("run", rerun)
-
-
+KILLED_RERUN = Interrupted("run", True, killed=True)
+"""The case killed for real: a re-run, from outside, while it goes on past its labels commit."""
+RUN_CASES = {rerun: Interrupted("run", rerun) for rerun in (False, True)}
 FORGET_CASE = Interrupted("forget", True)
+TESTS_CASES = {
+    "test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run": lambda params: RUN_CASES[params["rerun"]],
+    "test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run": lambda params: FORGET_CASE,
+    "test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see": lambda params: KILLED_RERUN,
+}
+"""Which process each test reads, by its parameters."""
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +177,9 @@ def interrupted(request, tmp_path_factory, mixture_path, published_run):
     processes the selected tests read start."""
     cases = {}
     for item in request.session.items:
-        if item.module is request.module and hasattr(item, "callspec"):
-            params = item.callspec.params
-            if item.originalname == "test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run":
-                cases[run_case(params["rerun"], params["for_real"])] = None
-            elif item.originalname == "test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run":
-                cases[FORGET_CASE] = None
+        if item.module is request.module and item.originalname in TESTS_CASES:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            cases[TESTS_CASES[item.originalname](params)] = None
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield {
             case: pool.submit(interrupted_process, tmp_path_factory, mixture_path, published_run, case)
@@ -180,11 +189,8 @@ def interrupted(request, tmp_path_factory, mixture_path, published_run):
 
 def left_at(interrupted, case: Interrupted, point: str):
     """The location as a SIGKILL of case's process at point leaves it: the copy the process made there (it
-    went on and published), or the location of the case killed for real."""
+    went on and published)."""
     code, err, folder = interrupted[case].result()
-    if case.killed_at:
-        assert (point, code) == (case.killed_at, -signal.SIGKILL), err[-2000:]
-        return folder
     assert code == 0, err[-2000:]
     return folder / point
 
@@ -197,14 +203,10 @@ publish."""
 
 
 @pytest.mark.parametrize(
-    ("point", "rerun", "for_real"),
-    [(point, rerun, False) for point, rerun in KILLS] + [("published", True, True)],
-    ids=[f"{p}-{'rerun' if r else 'first_run'}" for p, r in KILLS] + ["published-rerun-sigkill"],
+    ("point", "rerun"), KILLS, ids=[f"{point}-{'rerun' if rerun else 'first_run'}" for point, rerun in KILLS]
 )
-def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(
-    spark, interrupted, published_run, point, rerun, for_real
-):
-    out = left_at(interrupted, run_case(rerun, for_real), point)
+def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, interrupted, published_run, point, rerun):
+    out = left_at(interrupted, RUN_CASES[rerun], point)
     old = published_attempt(spark, published_run[1]) if rerun else None
 
     seen = what_readers_see(spark, out)
@@ -273,24 +275,16 @@ def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, int
 
 
 def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see(
-    spark, config_after_first_run, tmp_path
+    spark, interrupted, published_run
 ):
-    config, out = config_after_first_run, tmp_path / "out"
-    old = published_attempt(spark, out)
-    process = start(config, "k=6", "report=false")
-    lines = []
-    for line in process.stderr:  # the job logs each commit as it lands
-        lines.append(line)
-        if f"wrote {out / 'labels'}" in line:
-            process.send_signal(signal.SIGKILL)
-            break
-    process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL, "".join(lines)[-2000:]
+    code, err, out = interrupted[KILLED_RERUN].result()
+    assert code == -signal.SIGKILL, err[-2000:]
+    old = published_attempt(spark, published_run[1])
     assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
     (killed,) = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
     assert killed in raw_attempts(spark, out)  # its labels are there, unpublished
     # The next run of the run id finds the process gone, abandons the attempt and deletes its rows.
-    assert main(["run", "--config", str(config), "--set", "k=5"]) == 0
+    assert main(["run", "--config", str(out.parent / "kfed.yaml"), "--set", "k=5"]) == 0
     statuses = {r.attempt_id: r.status for r in runs_of(spark, out)}
     assert statuses[killed] == "abandoned" and statuses[old] == "superseded"
     assert killed not in raw_attempts(spark, out)
