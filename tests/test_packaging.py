@@ -8,6 +8,7 @@ import pytest
 from kfed_spark.packaging import (
     ENV_ARCHIVE,
     build,
+    drop_test_suites,
     environment_key,
     packed_cache,
     runtime_requirements,
@@ -44,3 +45,15 @@ def test_an_environment_packed_from_the_same_inputs_is_copied_from_the_cache(tmp
         and packaged.env_archive.read_bytes() == b"packed before"
     )
     assert packaged.package_zip.is_file()
+
+
+def test_the_packed_environment_leaves_out_the_packages_test_suites(tmp_path):
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    kept = [site / "numpy" / "testing" / "__init__.py", site / "numpy" / "tests.py", site / "pandas" / "core.py"]
+    dropped = [site / "numpy" / "tests" / "test_a.py", site / "scipy" / "stats" / "tests" / "data" / "tests" / "b.csv"]
+    for file in kept + dropped:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text("")
+    drop_test_suites(tmp_path)
+    assert all(file.is_file() for file in kept)
+    assert not (site / "numpy" / "tests").exists() and not (site / "scipy" / "stats" / "tests").exists()
