@@ -52,6 +52,17 @@ def finish(process, timeout=300):
     return process.returncode, out, err
 
 
+def stderr_until(process, text: str) -> list[str]:
+    """The process's stderr lines up to the first that holds text (read as they come: the job logs each stage
+    and commit as it lands), or all of them if it ends first."""
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if text in line:
+            break
+    return lines
+
+
 def last_line(err):
     lines = [line for line in err.splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -148,12 +159,10 @@ def interrupted_process(tmp_path_factory, mixture_path, published_run, case: Int
         )
         return code, err, folder / "copies"
     process = cli_process(*args, "--config", str(config))
-    lines = []
-    for line in process.stderr:  # the job logs each commit as it lands
-        lines.append(line)
-        if f"wrote {folder / 'out' / 'labels'}" in line:
-            process.send_signal(signal.SIGKILL)
-            break
+    labels_committed = f"wrote {folder / 'out' / 'labels'}"
+    lines = stderr_until(process, labels_committed)
+    if lines and labels_committed in lines[-1]:
+        process.send_signal(signal.SIGKILL)
     code, _, err = finish(process, timeout=60)
     return code, "".join(lines) + err, folder / "out"
 
@@ -162,12 +171,17 @@ KILLED_RERUN = Interrupted("run", True, killed=True)
 """The case killed for real: a re-run, from outside, while it goes on past its labels commit."""
 RUN_CASES = {rerun: Interrupted("run", rerun) for rerun in (False, True)}
 FORGET_CASE = Interrupted("forget", True)
-TESTS_CASES = {
-    "test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run": lambda params: RUN_CASES[params["rerun"]],
-    "test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run": lambda params: FORGET_CASE,
-    "test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see": lambda params: KILLED_RERUN,
-}
-"""Which process each test reads, by its parameters."""
+
+
+def case_read_by(item) -> Interrupted | None:
+    """The process a test of this module reads, if any."""
+    if item.originalname == "test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run":
+        return RUN_CASES[item.callspec.params["rerun"]]
+    if item.originalname == "test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run":
+        return FORGET_CASE
+    if item.originalname == "test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see":
+        return KILLED_RERUN
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +191,9 @@ def interrupted(request, tmp_path_factory, mixture_path, published_run):
     processes the selected tests read start."""
     cases = {}
     for item in request.session.items:
-        if item.module is request.module and item.originalname in TESTS_CASES:
-            params = item.callspec.params if hasattr(item, "callspec") else {}
-            cases[TESTS_CASES[item.originalname](params)] = None
+        case = case_read_by(item) if item.module is request.module else None
+        if case is not None:
+            cases[case] = None
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield {
             case: pool.submit(interrupted_process, tmp_path_factory, mixture_path, published_run, case)
@@ -295,11 +309,7 @@ def test_sigterm_stops_the_spark_work_marks_the_attempt_failed_and_exits(spark, 
     config, out = config_after_first_run, tmp_path / "out"
     old = published_attempt(spark, out)
     process = start(config, "k=6", fault="stall")  # every local-step task hangs
-    before = []
-    for line in process.stderr:  # read, not polled from runs: a poll's Spark jobs would slow the process
-        before.append(line)
-        if "stage claim took" in line:
-            break
+    before = stderr_until(process, "stage claim took")  # not polled from runs: its Spark jobs would slow the process
     time.sleep(3)  # inside the local step's Spark job
     process.send_signal(signal.SIGTERM)
     sent = time.monotonic()
