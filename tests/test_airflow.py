@@ -32,11 +32,14 @@ def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path, standalone_m
     python = airflow_python()
     build(tmp_path / "dist")
     config = tmp_path / "kfed.yaml"
+    # One executor per application (spark.cores.max): the DAG's two jobs still run on the cluster, unpacking
+    # the packed environment, and test_cluster.py keeps two executors per application. Alone, this test took
+    # 156-164 CPU-seconds so and 186-188 with an executor on each worker, in the same 123-130 s.
     config.write_text(
         f'input: {{path: "{mixture_path}"}}\noutput: {{path: unused}}\n'
         f"k: {MIXTURE['k']}\nk_per_device: {MIXTURE['k_per_device']}\nseed: 1\n"
         "spark: {conf: {spark.sql.shuffle.partitions: '2', spark.databricks.delta.snapshotPartitions: '2', "
-        "spark.ui.enabled: 'false', spark.executor.memory: 512m}}\n"
+        "spark.ui.enabled: 'false', spark.executor.memory: 512m, spark.cores.max: '1'}}\n"
     )
     host, port = standalone_master.url.rsplit(":", 1)
     env = {
