@@ -36,12 +36,15 @@ or another test process wants (the fast tier: 30.5 CPU-seconds with that thread,
 wall time 1 s shorter).
 The processes the tests start keep their own BLAS threads."""
 
-SHORT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+SHORT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 """Every JVM the tests start through spark-submit (a CLI run, spark-submit, the Connect and Thrift servers,
 Airflow's task) skips the optimising compiler, which spins a core for the seconds a short process lives:
 a fresh CLI run on a 20,000-row mixture took 31-33 CPU-seconds and 22-23 s with this (four runs), 54-67 and
-30-38 s without (six). The suite's own long-lived JVM keeps the optimising compiler (spark below): over four
-of its modules it was as fast or faster with it. A developer's own SPARK_SUBMIT_OPTS stays."""
+30-38 s without (six). It collects with the serial collector, as G1's concurrent threads only take CPU from
+the other processes in a heap this small: a fresh run on the tests' 6,000-row mixture took 22.6-28.3
+CPU-seconds (mean 24.9, six runs) against 23.1-29.3 (mean 26.2) with G1, five of six pairs lower. The suite's
+own long-lived JVM keeps the optimising compiler (spark below): over four of its modules it was as fast or
+faster with it. A developer's own SPARK_SUBMIT_OPTS stays."""
 os.environ.setdefault("SPARK_SUBMIT_OPTS", SHORT_JVM_OPTIONS)
 
 MODULE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(fast|spark|integration)\b", re.MULTILINE)
@@ -185,12 +188,12 @@ code generation off alone changed nothing, and adaptive execution off as well co
 start (the CLI, spark-submit, the servers) generates code, as a user's does."""
 
 
-SESSION_JVM_OPTIONS = "-XX:TieredStopAtLevel=4 -XX:+UseParallelGC"
+SESSION_JVM_OPTIONS = "-XX:TieredStopAtLevel=4 -XX:-UseSerialGC -XX:+UseParallelGC"
 """The session's JVM lives as long as its worker: after SHORT_JVM_OPTIONS it compiles with C2 again (C1 alone
-took 20% longer), and it collects with the throughput collector rather than G1, whose concurrent marking of a
-heap that Delta's snapshot cache keeps growing cost CPU the cores lack: the two JVMs' collector threads took
-130 CPU-seconds in a CI run with G1 and 43 with this (the JVMs 959 and 882 in all). The suite's wall time
-did not change beyond the host's run-to-run spread."""
+took 20% longer), and it collects with the throughput collector rather than the serial one or G1, whose
+concurrent marking of a heap that Delta's snapshot cache keeps growing cost CPU the cores lack: the two JVMs'
+collector threads took 130 CPU-seconds in a CI run with G1 and 43 with this (the JVMs 959 and 882 in all).
+The suite's wall time did not change beyond the host's run-to-run spread."""
 
 
 @pytest.fixture(scope="session")
