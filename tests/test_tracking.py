@@ -40,7 +40,7 @@ def tracking_server(tmp_path_factory):
     ]
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYSPARK", "VIRTUAL_ENV"))}
     # Without MLflow's job runner (huey consumers for its GenAI jobs), which tracking does not use: alone, this
-    # module took 63-71 CPU-seconds so and 89-93 with it.
+    # module took 63-71 CPU-seconds without it and 89-93 with it.
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     with servers(folder) as start:
         wait_for_port(port, start(command, env))
