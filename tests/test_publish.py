@@ -201,6 +201,12 @@ def interrupted(request, tmp_path_factory, mixture_path, published_run):
         }
 
 
+@pytest.fixture(scope="module")
+def published_before(spark, published_run):
+    """The attempt readers see in published_run's location, which the re-run and forget cases start from."""
+    return published_attempt(spark, published_run[1])
+
+
 def left_at(interrupted, case: Interrupted, point: str):
     """The location as a SIGKILL of case's process at point leaves it: the copy the process made there (it
     went on and published)."""
@@ -219,12 +225,15 @@ publish."""
 @pytest.mark.parametrize(
     ("point", "rerun"), KILLS, ids=[f"{point}-{'rerun' if rerun else 'first_run'}" for point, rerun in KILLS]
 )
-def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, interrupted, published_run, point, rerun):
+def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(
+    spark, interrupted, published_before, point, rerun
+):
     out = left_at(interrupted, RUN_CASES[rerun], point)
-    old = published_attempt(spark, published_run[1]) if rerun else None
+    old = published_before if rerun else None
 
     seen = what_readers_see(spark, out)
-    new = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
+    rows = runs_of(spark, out)
+    new = [r.attempt_id for r in rows if r.attempt_id != old]
     if point == "published":
         (killed,) = new
         assert_whole(seen, killed, 6)
@@ -234,7 +243,7 @@ def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, inte
         if point == "created":
             assert killed is None  # killed before its running row
         else:
-            assert [r.status for r in runs_of(spark, out) if r.attempt_id == killed] == ["running"]
+            assert [r.status for r in rows if r.attempt_id == killed] == ["running"]
     print(
         f"\nkilled at {point} ({'re-run' if rerun else 'first run'}): readers saw "
         + ("the killed attempt" if seen["report"] == killed and killed else "the earlier attempt" if old else "nothing")
@@ -257,22 +266,21 @@ def test_a_run_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, inte
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, interrupted, published_run, point):
+def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, interrupted, published_before, point):
     """`kfed-spark forget` takes a device out of a run through a new attempt, published as a run's: killed at
     any point, readers see the run with the device or the run without it, whole; once the process is gone
     the next tidy-up removes what it left, and forget again finishes the erasure."""
     out = left_at(interrupted, FORGET_CASE, point)
-    old = published_attempt(spark, published_run[1])
-    new = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
+    old = published_before
+    rows = runs_of(spark, out)
+    new = [r.attempt_id for r in rows if r.attempt_id != old]
     without = N_ROWS - MIXTURE["points_per_device"]
     if point == "published":
         (killed,) = new
         assert_whole(what_readers_see(spark, out), killed, MIXTURE["k"], n_rows=without)
     else:
         assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
-        assert [r.status for r in runs_of(spark, out) if r.attempt_id != old] == (
-            [] if point == "created" else ["running"]
-        )
+        assert [r.status for r in rows if r.attempt_id != old] == ([] if point == "created" else ["running"])
 
     assert main(["maintain", "--output", str(out)]) == 0
     statuses = {r.attempt_id: (r.status, r.rows_removed) for r in runs_of(spark, out)}
@@ -289,11 +297,11 @@ def test_forget_killed_at_any_commit_point_leaves_readers_a_whole_run(spark, int
 
 
 def test_a_run_killed_from_outside_after_its_labels_commit_changes_nothing_readers_see(
-    spark, interrupted, published_run
+    spark, interrupted, published_before
 ):
     code, err, out = interrupted[KILLED_RERUN].result()
     assert code == -signal.SIGKILL, err[-2000:]
-    old = published_attempt(spark, published_run[1])
+    old = published_before
     assert_whole(what_readers_see(spark, out), old, MIXTURE["k"])
     (killed,) = [r.attempt_id for r in runs_of(spark, out) if r.attempt_id != old]
     assert killed in raw_attempts(spark, out)  # its labels are there, unpublished
