@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from kfed_spark.errors import AttemptConflict, ConfigError, first_line
-from kfed_spark.io import OutputTables, attempt_filter
+from kfed_spark.io import OutputTables, attempt_filter, rows_frame
 from kfed_spark.stopping import despite_the_stop
 from kfed_spark.tables import RUNS_SCHEMA, RunRecord
 
@@ -100,7 +100,7 @@ class Ledger:
 
     def write(self, row: RunRecord, fence: int | None = None, new: bool = False) -> None:
         """Replace the attempt's row (fenced: see OutputTables.write_attempt_row), or add it if `new`."""
-        frame = self.spark.createDataFrame([row.values()], RUNS_SCHEMA)
+        frame = rows_frame(self.spark, [row.values()], RUNS_SCHEMA)
         if new:
             self.tables.add_attempt_row(frame, row.run_id, row.attempt_id)
         else:

@@ -15,17 +15,20 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from typing import TypeVar
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ArrayType, DataType, DoubleType, MapType, StructField, StructType, UserDefinedType
 
 from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
@@ -101,6 +104,24 @@ def type_ddl(data_type: DataType) -> str:
 
 def quoted(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
+
+
+def rows_frame(spark: SparkSession, rows: Sequence[tuple], schema: StructType) -> DataFrame:
+    """A DataFrame of a few rows made on the driver (a runs row, a run's centers), sent to the JVM as Arrow.
+    From a list Spark would make an RDD whose every pass runs Python tasks, in a Python daemon of their own
+    beside the one of the job's Arrow passes: a fresh run started, and imported into, two. A naive datetime
+    is local time, as Spark takes it from a list."""
+    table = pa.Table.from_pylist(
+        [
+            {
+                name: value.astimezone(timezone.utc) if isinstance(value, datetime) else value
+                for name, value in zip(schema.names, row, strict=True)
+            }
+            for row in rows
+        ],
+        schema=to_arrow_schema(schema, timezone="UTC"),
+    )
+    return spark.createDataFrame(table, schema)
 
 
 def stored_columns(df: DataFrame) -> DataFrame:

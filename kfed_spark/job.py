@@ -50,7 +50,7 @@ from kfed_spark.identity import (
     largest_share,
     match_clusters,
 )
-from kfed_spark.io import OutputTables, absolute, read_input
+from kfed_spark.io import OutputTables, absolute, read_input, rows_frame
 from kfed_spark.k_sweep import KSweep
 from kfed_spark.kernels import ServerClustering
 from kfed_spark.metrics import ari_of
@@ -548,7 +548,7 @@ def centers_frame(
     cluster_device_pairs = np.unique(np.stack([server.assignment, device_index]), axis=1)
     n_devices = np.bincount(cluster_device_pairs[0], minlength=k)
     rows = [(int(cluster_ids[c]), server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
-    return spark.createDataFrame(rows, StructType(CENTERS_FIELDS))
+    return rows_frame(spark, rows, StructType(CENTERS_FIELDS))
 
 
 def write_run_report(

@@ -137,3 +137,19 @@ def test_every_column_of_every_table_is_nullable_at_every_depth(published_run):
     _, out = published_run
     found = {name: not_nullable(json.loads(DeltaTable(str(out / name)).schema().to_json()), "") for name in TABLES}
     assert found == {name: [] for name in TABLES}
+
+
+def test_a_runs_row_reaches_spark_whole_and_without_a_python_task(spark, published_run):
+    """io.rows_frame, which writes every runs row: the record read back from the runs table (datetimes naive,
+    as Spark returns them; k_sweep's structs as Rows) makes a frame equal to the table's row, built on the driver:
+    a frame from a Python list would be an RDD whose every pass starts Python tasks."""
+    from kfed_spark.io import rows_frame
+    from kfed_spark.tables import RUNS_SCHEMA, RunRecord
+
+    (row,) = runs_of(spark, published_run[1])
+    record = RunRecord.of(row.asDict()).changed(k_sweep=[(2, 1.0, 2.0, 0.5, None, 0.25)], k_range=[2, 3])
+    frame = rows_frame(spark, [record.values()], RUNS_SCHEMA)
+    assert frame.schema == RUNS_SCHEMA
+    assert RunRecord.of(frame.first().asDict()) == record
+    plan = frame._jdf.queryExecution().executedPlan().toString()
+    assert "LocalTableScan" in plan and "ExistingRDD" not in plan, plan
