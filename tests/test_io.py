@@ -140,9 +140,9 @@ def test_every_column_of_every_table_is_nullable_at_every_depth(published_run):
 
 
 def test_a_runs_row_reaches_spark_whole_and_without_a_python_task(spark, published_run):
-    """io.rows_frame, which writes every runs row: the record read back from the runs table (datetimes naive,
-    as Spark returns them; k_sweep's structs as Rows) makes a frame equal to the table's row, built on the driver:
-    a frame from a Python list would be an RDD whose every pass starts Python tasks."""
+    """io.rows_frame, which writes every runs row: a record as read back from the runs table (its datetimes
+    naive, as Spark returns them), with a k sweep's structs added, makes a frame that holds it whole, built on the
+    driver: a frame from a Python list would be an RDD whose every pass starts Python tasks."""
     from kfed_spark.io import rows_frame
     from kfed_spark.tables import RUNS_SCHEMA, RunRecord
 
