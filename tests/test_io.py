@@ -8,8 +8,9 @@ import pytest
 from deltalake import DeltaTable
 
 from helpers import MIXTURE, assert_commented, labels_of, published, refused, run_cli, runs_of
+from kfed_spark.io import rows_frame
 from kfed_spark.params import DEFAULTS
-from kfed_spark.tables import TABLES
+from kfed_spark.tables import RUNS_SCHEMA, TABLES, RunRecord
 
 pytestmark = pytest.mark.spark
 
@@ -143,9 +144,6 @@ def test_a_runs_row_reaches_spark_whole_and_without_a_python_task(spark, publish
     """io.rows_frame, which writes every runs row: a record as read back from the runs table (its datetimes
     naive, as Spark returns them), with a k sweep's structs added, makes a frame that holds it whole, built on the
     driver: a frame from a Python list would be an RDD whose every pass starts Python tasks."""
-    from kfed_spark.io import rows_frame
-    from kfed_spark.tables import RUNS_SCHEMA, RunRecord
-
     (row,) = runs_of(spark, published_run[1])
     record = RunRecord.of(row.asDict()).changed(k_sweep=[(2, 1.0, 2.0, 0.5, None, 0.25)], k_range=[2, 3])
     frame = rows_frame(spark, [record.values()], RUNS_SCHEMA)
