@@ -30,11 +30,12 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 from pyspark.sql import DataFrame
+from pyspark.sql.types import StringType, StructField, StructType
 
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
 from kfed_spark.fitting import REASON_COL, LocalCenters, fit, labelled_plan
 from kfed_spark.identity import match_clusters
-from kfed_spark.io import OutputTables
+from kfed_spark.io import OutputTables, rows_frame
 from kfed_spark.k_sweep import KSweep, k_values
 from kfed_spark.kernels import between_sse
 from kfed_spark.models import (
@@ -746,7 +747,8 @@ class _DataFrameWriter(MLWriter):
         spark, mode = self.sparkSession, "overwrite" if self.shouldOverwrite else "errorifexists"
         metadata = DefaultParamsWriter._get_metadata_to_save(self.instance, spark, self.extra_metadata)
         try:
-            spark.createDataFrame([(metadata,)], schema=["value"]).coalesce(1).write.mode(mode).text(f"{path}/metadata")
+            metadata_frame = rows_frame(spark, [(metadata,)], StructType([StructField("value", StringType())]))
+            metadata_frame.coalesce(1).write.mode(mode).text(f"{path}/metadata")
         except AnalysisException as exc:
             if exc.getCondition() != "PATH_ALREADY_EXISTS":
                 raise
