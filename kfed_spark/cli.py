@@ -28,8 +28,6 @@ DATASET_NAMES = ("femnist", "mnist", "shakespeare")
 """The real datasets `prepare` and `bench-quality` know (kfed_spark.bench.datasets.DATASETS; a test holds
 them equal): named here so that the parser, which every command builds, imports none of the tooling."""
 QUIET_LOCAL_SPARK = {
-    "spark.sql.shuffle.partitions": "4",
-    "spark.databricks.delta.snapshotPartitions": "2",
     "spark.ui.enabled": "false",
     "spark.log.level": "WARN",
 }

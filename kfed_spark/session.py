@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
 
+from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 from kfed_spark.config import SparkConfig
@@ -36,6 +38,12 @@ ONE_BLAS_THREAD_PER_WORKER = {
 """Each Python worker runs one task on one core: its numpy kernels use one BLAS thread (a config that
 sets these keys, for spark.task.cpus > 1, wins). The driver, where the server step runs, is left to
 use its cores."""
+TASKS_PER_LOCAL_CORE = 3
+"""Shuffle partitions per core of a local Spark: Spark's tuning guide asks for 2-3 tasks per core."""
+DELTA_SNAPSHOT_PARTITIONS = 50
+"""Delta's own number of tasks that read a table's log, the most a local Spark is given."""
+LOCAL_MASTER = re.compile(r"local(?:\[(\*|\d+)(?:,\d+)?\])?")
+"""local, local[N], local[*] and their forms with a number of task retries (local[N,F])."""
 DEFAULT_CONNECT_PORT = 15002
 DELTA_JARS_ENV = "KFED_DELTA_JARS"
 """Comma-separated local Delta jars, for machines that cannot resolve packages from Maven."""
@@ -86,10 +94,12 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         # started by its absolute path (cron, systemd, a BashOperator) without activating it. PySpark
         # reads the workers' interpreter from this variable when it creates the SparkContext.
         os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
+    starts_spark = not under_spark_submit() and SparkContext._active_spark_context is None
     conf = {
         **DELTA_SQL_CONF,
         "spark.log.level": DEFAULT_SPARK_LOG_LEVEL,
         **ONE_BLAS_THREAD_PER_WORKER,
+        **(local_sizes(spark_cfg) if starts_spark else {}),
         **spark_cfg.conf,
     }
     if not under_spark_submit():  # this process starts the JVM
@@ -248,6 +258,32 @@ def is_local(spark_cfg: SparkConfig) -> bool:
     if master:
         return master.startswith("local")
     return not under_spark_submit()
+
+
+def local_cores(spark_cfg: SparkConfig) -> int | None:
+    """The cores of the local Spark that spark_cfg starts in this process: N of local[N], this process's
+    CPUs for local[*] or no master, 1 for local; None for any other master (a cluster's, spark-submit's,
+    Spark Connect's, local-cluster)."""
+    if not is_local(spark_cfg):
+        return None
+    found = LOCAL_MASTER.fullmatch(spark_cfg.master or os.environ.get("MASTER") or "local[*]")
+    if found is None:
+        return None
+    cores = found.group(1)
+    return 1 if cores is None else len(os.sched_getaffinity(0)) if cores == "*" else int(cores)
+
+
+def local_sizes(spark_cfg: SparkConfig) -> dict[str, str]:
+    """Partition counts for a local Spark, sized to its cores (a config's own settings win). Spark's 200
+    shuffle partitions and Delta's 50 snapshot partitions are sized for clusters: on one machine most of
+    those tasks cost more than their work, and nearly halve a small run's speed."""
+    cores = local_cores(spark_cfg)
+    if cores is None:
+        return {}
+    return {
+        "spark.sql.shuffle.partitions": str(TASKS_PER_LOCAL_CORE * cores),
+        "spark.databricks.delta.snapshotPartitions": str(min(cores, DELTA_SNAPSHOT_PARTITIONS)),
+    }
 
 
 def under_spark_submit() -> bool:

@@ -72,3 +72,54 @@ def test_the_tests_jvm_maps_the_class_archive(spark, jvm_archive):
     info = subprocess.run(["jcmd", str(runtime.getPid()), "VM.info"], capture_output=True, text=True, check=True).stdout
     mapped = next(line for line in info.splitlines() if line.startswith("CDS archive(s) mapped at"))
     assert int(mapped.split("size ")[1].split(",")[0]) > jvm_archive.stat().st_size
+
+
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+SNAPSHOT_PARTITIONS = "spark.databricks.delta.snapshotPartitions"
+
+
+@pytest.mark.fast
+def test_a_local_spark_gets_partition_counts_sized_to_its_cores(monkeypatch):
+    """Three shuffle partitions and one Delta snapshot partition per core of a local Spark that the job starts;
+    nothing for a Spark it does not start itself."""
+    from kfed_spark.config import SparkConfig
+    from kfed_spark.session import local_sizes
+
+    for name in ("MASTER", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def sizes(master=None, **cfg):
+        return local_sizes(SparkConfig(master=master, **cfg))
+
+    cores = len(os.sched_getaffinity(0))
+    assert sizes("local[3]") == {SHUFFLE_PARTITIONS: "9", SNAPSHOT_PARTITIONS: "3"}
+    assert sizes("local[4,2]") == {SHUFFLE_PARTITIONS: "12", SNAPSHOT_PARTITIONS: "4"}  # 2: task retries
+    assert sizes("local") == {SHUFFLE_PARTITIONS: "3", SNAPSHOT_PARTITIONS: "1"}
+    assert (
+        sizes() == sizes("local[*]") == {SHUFFLE_PARTITIONS: str(3 * cores), SNAPSHOT_PARTITIONS: str(min(cores, 50))}
+    )
+    assert sizes("local[64]") == {SHUFFLE_PARTITIONS: "192", SNAPSHOT_PARTITIONS: "50"}  # never above Delta's own
+    for master in ("spark://127.0.0.1:7077", "yarn", "k8s://https://127.0.0.1:6443", "local-cluster[2,1,1024]"):
+        assert sizes(master) == {}, master
+    assert sizes(remote="sc://127.0.0.1:15002") == {}
+    monkeypatch.setenv("MASTER", "local[5]")
+    assert sizes()[SHUFFLE_PARTITIONS] == "15"
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # under spark-submit: its own settings stand
+    monkeypatch.delenv("MASTER")
+    assert sizes() == {}
+
+
+@pytest.mark.spark
+def test_a_session_already_running_keeps_its_own_partition_counts(spark):
+    """A run in a process whose Spark is already up (a notebook's, the tests') with a config of no Spark
+    settings leaves that session's partition counts as they are: it did not start that Spark."""
+    from kfed_spark.config import SparkConfig
+    from kfed_spark.session import build_session
+
+    before = {name: spark.conf.get(name) for name in (SHUFFLE_PARTITIONS, SNAPSHOT_PARTITIONS)}
+    try:
+        assert build_session(SparkConfig()) is spark
+        assert {name: spark.conf.get(name) for name in before} == before
+    finally:
+        for name, value in before.items():
+            spark.conf.set(name, value)

@@ -88,12 +88,11 @@ class Report:
 
 
 BENCH_SPARK_CONF = {
-    "spark.sql.shuffle.partitions": "8",
-    "spark.databricks.delta.snapshotPartitions": "2",
     "spark.ui.showConsoleProgress": "false",
     "spark.log.level": "WARN",
 }
-"""The Spark settings of every benchmark process, the job's included (those of conf/local.yaml)."""
+"""The Spark settings of every benchmark process, the job's included, beyond what every local session
+gets (kfed_spark.session.local_sizes): those of conf/local.yaml."""
 
 
 def bench_session(app_name: str, driver_memory: str, master: str = "local[2]"):
