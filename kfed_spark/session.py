@@ -94,6 +94,7 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         # started by its absolute path (cron, systemd, a BashOperator) without activating it. PySpark
         # reads the workers' interpreter from this variable when it creates the SparkContext.
         os.environ["PYSPARK_PYTHON"] = spark_cfg.conf.get("spark.pyspark.python", sys.executable)
+    # This process starts the JVM: not under spark-submit, and no session of its own is running yet.
     starts_spark = not under_spark_submit() and SparkContext._active_spark_context is None
     conf = {
         **DELTA_SQL_CONF,
@@ -102,7 +103,7 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
         **(local_sizes(spark_cfg) if starts_spark else {}),
         **spark_cfg.conf,
     }
-    if not under_spark_submit():  # this process starts the JVM
+    if starts_spark:
         conf = with_jvm_archive(conf)
     for key, value in {**conf, CONSOLE_PROGRESS: console_progress(conf)}.items():
         builder = builder.config(key, conf_value(value))
