@@ -14,8 +14,8 @@ from pathlib import Path
 
 from kfed_spark.config import KFedConfig, build_config, load_config
 from kfed_spark.errors import KFedError
-from kfed_spark.failures import describe
-from kfed_spark.stopping import (
+from kfed_spark.runtime.failures import describe
+from kfed_spark.runtime.stopping import (
     STOP_REQUESTED,
     STREAM_STOPPED,
     Terminated,
@@ -504,7 +504,7 @@ def whole_numbers(text: str) -> tuple[int, ...]:
 def quiet_local_session(app_name: str):
     """The benchmarks' local[2] session, without the console progress bar."""
     from kfed_spark.config import SparkConfig
-    from kfed_spark.session import build_session
+    from kfed_spark.spark.session import build_session
 
     conf = {**QUIET_LOCAL_SPARK, "spark.ui.showConsoleProgress": "false"}
     return build_session(SparkConfig(master="local[2]", app_name=app_name, conf=conf))
@@ -542,8 +542,8 @@ def command_run(args: argparse.Namespace) -> int:
     cfg = spark_quiet(load_config(shipped_config(args.config), args.overrides), args)
     stop_on_sigterm()
     if args.dry_run:
-        from kfed_spark.job import plan
-        from kfed_spark.session import build_session
+        from kfed_spark.runs.job import plan
+        from kfed_spark.spark.session import build_session
 
         print(plan(build_session(cfg.spark), cfg))
         return 0
@@ -564,7 +564,7 @@ def shipped_config(path: str | None) -> str | None:
     """A config given as a bare name that is no file here, under spark-submit: the file of that name
     that `--files` shipped. In client mode spark-submit copies such files only to the executors and
     the driver's SparkFiles folder, not to its working directory, so take it from where it was sent."""
-    from kfed_spark.session import under_spark_submit
+    from kfed_spark.spark.session import under_spark_submit
 
     if path is None or Path(path).exists() or Path(path).name != path or not under_spark_submit():
         return path
@@ -582,9 +582,9 @@ def shipped_config(path: str | None) -> str | None:
 
 def execute(cfg: KFedConfig, parent_run_id: str | None = None, model_path: str | None = None):
     """Start (or join) the SparkSession the config describes and run the job in it."""
-    from kfed_spark.fitting import StageTimer
-    from kfed_spark.job import run
-    from kfed_spark.session import build_session
+    from kfed_spark.runs.job import run
+    from kfed_spark.spark.fitting import StageTimer
+    from kfed_spark.spark.session import build_session
 
     timer = StageTimer()
     with timer.stage("session"):
@@ -607,10 +607,10 @@ def command_assign(args: argparse.Namespace) -> int:
 
 
 def command_stream(args: argparse.Namespace) -> int:
-    from kfed_spark.io import OutputTables
-    from kfed_spark.models import finished_model
-    from kfed_spark.session import build_session
-    from kfed_spark.streaming import start
+    from kfed_spark.runs.streaming import start
+    from kfed_spark.spark.session import build_session
+    from kfed_spark.store.delta import OutputTables
+    from kfed_spark.store.models import finished_model
 
     overrides = args.overrides + (
         [] if args.trigger_seconds is None else [f"stream.trigger_seconds={args.trigger_seconds}"]
@@ -635,8 +635,8 @@ def command_stream(args: argparse.Namespace) -> int:
 def output_session(args: argparse.Namespace):
     """The OutputTables that --output or --config name, in a session the config describes (or local)."""
     from kfed_spark.config import OutputConfig, SparkConfig
-    from kfed_spark.io import OutputTables
-    from kfed_spark.session import build_session
+    from kfed_spark.spark.session import build_session
+    from kfed_spark.store.delta import OutputTables
 
     if args.config:
         cfg = load_config(shipped_config(args.config), [f"output.path={args.output}"] if args.output else [])
@@ -660,7 +660,7 @@ def command_sql(args: argparse.Namespace) -> int:
 def command_report(args: argparse.Namespace) -> int:
     import json
 
-    from kfed_spark.report import terminal_text
+    from kfed_spark.runs.report import terminal_text
 
     raw = output_session(args).read_report(args.run_id)
     print(raw.decode() if args.json else terminal_text(json.loads(raw)))
@@ -668,7 +668,7 @@ def command_report(args: argparse.Namespace) -> int:
 
 
 def k_range_argument(text: str) -> list[int]:
-    from kfed_spark.k_sweep import k_values
+    from kfed_spark.core.k_sweep import k_values
 
     parts = text.split(":")
     try:
@@ -683,8 +683,8 @@ def command_choose_k(args: argparse.Namespace) -> int:
     """The sweep over the run's published attempt only: a failed or superseded attempt's centers are never read."""
     import json
 
-    from kfed_spark.models import stored_model
-    from kfed_spark.report import k_sweep_files
+    from kfed_spark.runs.report import k_sweep_files
+    from kfed_spark.store.models import stored_model
 
     tables = output_session(args)
     model = stored_model(tables, args.run)
@@ -710,7 +710,7 @@ def command_choose_k(args: argparse.Namespace) -> int:
 def command_maintain(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
-    from kfed_spark.attempts import Ledger
+    from kfed_spark.store.ledger import Ledger
 
     tables = output_session(args)
     if not tables.check_log("runs"):
@@ -730,7 +730,7 @@ def command_maintain(args: argparse.Namespace) -> int:
 
 
 def command_forget(args: argparse.Namespace) -> int:
-    from kfed_spark.forget import forget
+    from kfed_spark.runs.forget import forget
 
     stop_on_sigterm()
     tables = output_session(args)
@@ -759,7 +759,7 @@ def command_forget(args: argparse.Namespace) -> int:
 
 
 def command_package(args: argparse.Namespace) -> int:
-    from kfed_spark.packaging import build
+    from kfed_spark.runtime.packaging import build
 
     packaged = build(Path(args.out), args.python_prefix, args.rebuild)
     print(
@@ -815,7 +815,7 @@ def command_prepare(args: argparse.Namespace) -> int:
 def command_jvm_archive(args: argparse.Namespace) -> int:
     import tempfile
 
-    from kfed_spark.session import JVM_ARCHIVE_ENV, jvm_archive_file, write_jvm_archive
+    from kfed_spark.spark.session import JVM_ARCHIVE_ENV, jvm_archive_file, write_jvm_archive
 
     target = Path(args.path).resolve() if args.path else jvm_archive_file()
     if target is None:
@@ -828,7 +828,7 @@ def command_jvm_archive(args: argparse.Namespace) -> int:
 
 def command_demo(args: argparse.Namespace) -> int:
     from kfed_spark.bench.synthetic import write_mixture
-    from kfed_spark.io import attempt_filter
+    from kfed_spark.store.delta import attempt_filter
 
     folder = Path(args.folder).resolve()
     data = folder / "input"

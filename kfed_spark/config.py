@@ -58,7 +58,7 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class IdentityConfig:
-    """How a run's cluster ids relate to earlier runs' in the same location (kfed_spark.identity)."""
+    """How a run's cluster ids relate to earlier runs' in the same location (kfed_spark.core.identity)."""
 
     mode: str = "stable"
     """stable: the clusters are matched to the reference run's and keep their ids, new ones take ids never
@@ -76,7 +76,7 @@ IDENTITY_MODES = ("stable", "fresh")
 
 @dataclass(frozen=True)
 class MlflowTracking:
-    """Where each published attempt is logged in MLflow (kfed_spark.tracking)."""
+    """Where each published attempt is logged in MLflow (kfed_spark.runs.tracking)."""
 
     uri: str | None = None
     """The tracking server or store (http://host:5000, databricks, sqlite:///mlflow.db); by default

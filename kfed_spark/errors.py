@@ -1,5 +1,5 @@
 """The errors a user can act on (the CLI prints their message as its last line on stderr and exits with
-their exit_code); kfed_spark.failures describes any other failure in one line."""
+their exit_code); kfed_spark.runtime.failures describes any other failure in one line."""
 
 
 class KFedError(Exception):

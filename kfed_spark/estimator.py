@@ -14,9 +14,9 @@
 >>> model.write().overwrite().save(path); KFedModel.load(path)                 # doctest: +SKIP
 >>> KFedModel.from_run("/data/kfed", "2026-11-29")                             # doctest: +SKIP
 
-It runs the same code as `kfed-spark run` (kfed_spark.fitting.fit and label_rows); only the
+It runs the same code as `kfed-spark run` (kfed_spark.spark.fitting.fit and label_rows); only the
 output columns and the persistence differ. A run's model becomes a KFedModel with from_run, and a
-saved KFedModel serves `kfed-spark assign` and `stream` with --model PATH (kfed_spark.models).
+saved KFedModel serves `kfed-spark assign` and `stream` with --model PATH (kfed_spark.store.models).
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ from pyspark.sql import DataFrame
 from pyspark.sql.types import StringType, StructField, StructType
 
 from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
-from kfed_spark.fitting import REASON_COL, LocalCenters, fit, labelled_plan
-from kfed_spark.identity import match_clusters
-from kfed_spark.io import OutputTables, rows_frame
-from kfed_spark.k_sweep import KSweep, k_values
-from kfed_spark.kernels import between_sse
-from kfed_spark.models import (
+from kfed_spark.core.identity import match_clusters
+from kfed_spark.core.k_sweep import KSweep, k_values
+from kfed_spark.core.linalg import between_sse
+from kfed_spark.params import AlgorithmParams, camel
+from kfed_spark.spark.fitting import REASON_COL, LocalCenters, fit, labelled_plan
+from kfed_spark.spark.workers import SQ_DIST_COL
+from kfed_spark.store.delta import OutputTables, rows_frame
+from kfed_spark.store.models import (
     SAVED_LOCAL_CENTERS,
     SAVED_MODEL_ORIGIN,
     StoredModel,
@@ -46,8 +48,6 @@ from kfed_spark.models import (
     saved_cluster_ids,
     stored_model,
 )
-from kfed_spark.params import AlgorithmParams, camel
-from kfed_spark.workers import SQ_DIST_COL
 
 
 def _int_or_text(value: object) -> int | str:
@@ -88,8 +88,8 @@ class _KFedParams(Params):
         Params._dummy(),
         "k",
         "number of global clusters, or 'auto': after the local step the run sweeps k_range over the local"
-        " centers and takes the k the sweep recommends (kfed_spark.k_sweep), with no extra pass over the "
-        "rows.",
+        " centers and takes the k the sweep recommends (kfed_spark.core.k_sweep), with no extra pass over"
+        " the rows.",
         typeConverter=_int_or_text,
     )
 
@@ -496,7 +496,7 @@ class KFed(Estimator["KFedModel"], _KFedParams, MLReadable["KFed"], MLWritable):
 
     def setReferenceModel(self, model: "KFedModel | None", warmStart: bool = False) -> "KFed":
         """Fit with ids matched to an earlier model's (as `identity.mode: stable` matches a run to its
-        reference run: kfed_spark.identity), new clusters taking ids above the model's; with warmStart,
+        reference run: kfed_spark.core.identity), new clusters taking ids above the model's; with warmStart,
         the server step is seeded with its centers. Not a Param: like MLlib's initialModel proposals, a
         model is not saved with the estimator. None: ids 0..k-1 again."""
         self._reference, self._warm_start = model, warmStart
@@ -679,13 +679,13 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
 
     @property
     def kSweep(self) -> KSweep | None:
-        """With k="auto": the sweep of kRange that chose this model's k (kfed_spark.k_sweep); else None."""
+        """With k="auto": the sweep of kRange that chose this model's k (kfed_spark.core.k_sweep); else None."""
         return self._k_sweep
 
     def sweepK(self, kRange: tuple[int, int], step: int = 1) -> KSweep:
         """The server step for every k of kRange (both ends included, every step-th) over this model's local
         centers, with each k's exact SSE, BIC, silhouette, noise ratio and, for the candidates, stability, and
-        the recommended k (kfed_spark.k_sweep): no pass over the rows. Refit with that k, or with k="auto"."""
+        the recommended k (kfed_spark.core.k_sweep): no pass over the rows. Refit with that k, or with k="auto"."""
         return self._stored.sweep(k_values(kRange[0], kRange[1], step), AlgorithmParams.of(self._config()))
 
     @property

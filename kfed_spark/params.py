@@ -80,7 +80,7 @@ def one_of(*choices: str) -> Constraint:
 
 
 def cluster_count(value: object) -> str | None:
-    """k: a number, or 'auto' (the run sweeps k_range and chooses: kfed_spark.k_sweep)."""
+    """k: a number, or 'auto' (the run sweeps k_range and chooses: kfed_spark.core.k_sweep)."""
     return None if value == "auto" or integer(1)(value) is None else "an integer >= 1 or 'auto'"
 
 
@@ -115,7 +115,8 @@ class AlgorithmParams:
         8,
         cluster_count,
         "number of global clusters, or 'auto': after the local step the run sweeps k_range over "
-        "the local centers and takes the k the sweep recommends (kfed_spark.k_sweep), with no extra pass over the rows",
+        "the local centers and takes the k the sweep recommends (kfed_spark.core.k_sweep), with no extra pass over "
+        "the rows",
     )
     k_range: tuple[int, int] = param((2, 30), k_range, "with k 'auto': the smallest and largest k swept, both included")
     k_per_device: int | str = param(

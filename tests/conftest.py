@@ -124,7 +124,7 @@ def jvm_archive(tmp_path_factory):
     (about 80 s), it saves 4-5 s of every JVM start after it. Of two xdist workers one writes it; the other
     waits only until that one's first Spark start has resolved Delta's jars into the Ivy cache (two
     resolutions at once into one Ivy cache can fail), and goes on without the archive until it is there."""
-    from kfed_spark.session import jvm_archive_file, resolved_delta_jars, write_jvm_archive
+    from kfed_spark.spark.session import jvm_archive_file, resolved_delta_jars, write_jvm_archive
 
     archive = jvm_archive_file()
     if archive is not None and not archive.is_file():
@@ -204,7 +204,7 @@ JVMs 959 and 882 in all), and the suite's wall time did not change beyond the ho
 
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory, jvm_archive):
-    from kfed_spark.session import build_session
+    from kfed_spark.spark.session import build_session
 
     warehouse = tmp_path_factory.mktemp("warehouse")
     conf = {

@@ -17,14 +17,14 @@ from kfed_spark.config import InputConfig, KFedConfig, OutputConfig
 
 def published(spark, out, name):
     """The published rows of one output table (what every documented read path shows)."""
-    from kfed_spark.io import OutputTables
+    from kfed_spark.store.delta import OutputTables
 
     return OutputTables(spark, OutputConfig(path=str(out))).published(name)
 
 
 def assert_commented(spark, path, name):
     """The Delta table at path carries its table comment and a comment on every column."""
-    from kfed_spark.tables import TABLE_COMMENTS
+    from kfed_spark.store.tables import TABLE_COMMENTS
 
     assert spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first().description == TABLE_COMMENTS[name]
     columns = {
@@ -37,7 +37,7 @@ def assert_commented(spark, path, name):
 
 def runs_of(spark, out):
     """Every attempt recorded under an output location, oldest first."""
-    from kfed_spark.io import OutputTables
+    from kfed_spark.store.delta import OutputTables
 
     return OutputTables(spark, OutputConfig(path=str(out))).read("runs").orderBy("started_at").collect()
 
@@ -98,7 +98,7 @@ def write_empty_config(tmp_path):
 def fitted_labels(raw, input_settings=None, **settings):
     """Fit k-FED to a DataFrame and label its rows through the fit layer alone (no table written):
     the Clustering and a pandas frame of every labelled row's columns, cluster_id and local_cluster_id."""
-    from kfed_spark.fitting import fit, label_rows
+    from kfed_spark.spark.fitting import fit, label_rows
 
     cfg = KFedConfig(input=InputConfig(**(input_settings or {})), **settings)
     cfg.check()
@@ -285,7 +285,7 @@ SUBMIT_CONF = {
 def spark_submit_job(config: Path, output: Path, master: str = "local[2]", env: dict | None = None):
     """jobs/kfed_job.py under pyspark's own spark-submit, as the README's cluster section runs it (with the
     Delta package matching the installed versions): the finished process, its output captured."""
-    from kfed_spark.session import delta_package
+    from kfed_spark.runtime.packaging import delta_package
 
     conf = [arg for key, value in SUBMIT_CONF.items() for arg in ("--conf", f"{key}={value}")]
     command = [
@@ -311,8 +311,8 @@ CLI = Path(sys.executable).parent / "kfed-spark"
 
 
 def clean_environment() -> dict[str, str]:
-    """This process's environment without a fault for the CLI to act out (kfed_spark.faults)."""
-    from kfed_spark.faults import FAULT_ENV
+    """This process's environment without a fault for the CLI to act out (kfed_spark.runtime.fault_injection)."""
+    from kfed_spark.runtime.fault_injection import FAULT_ENV
 
     return {key: value for key, value in os.environ.items() if key != FAULT_ENV}
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import MIXTURE, ROOT, tool_python
-from kfed_spark.packaging import build
-from kfed_spark.session import delta_package
+from kfed_spark.runtime.packaging import build, delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

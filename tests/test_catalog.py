@@ -13,7 +13,7 @@ import yaml
 
 from helpers import ROOT, free_port, run_cli_process, servers, spark_home, wait_for_port
 from kfed_spark.cli import main
-from kfed_spark.session import delta_package
+from kfed_spark.runtime.packaging import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: the CLI, spark-sql, the Thrift server, beeline
 

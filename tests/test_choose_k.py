@@ -8,9 +8,9 @@ from pyspark.sql import functions as F
 from helpers import MIXTURE, published, run_cli, runs_of
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
-from kfed_spark.faults import FAULT_ENV
-from kfed_spark.io import OutputTables
-from kfed_spark.report import K_SWEEP_FILES
+from kfed_spark.runs.report import K_SWEEP_FILES
+from kfed_spark.runtime.fault_injection import FAULT_ENV
+from kfed_spark.store.delta import OutputTables
 
 pytestmark = pytest.mark.spark
 

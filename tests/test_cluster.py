@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import MIXTURE, ROOT, bare_environment, labels_of
-from kfed_spark.session import delta_package
+from kfed_spark.runtime.packaging import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

@@ -27,7 +27,7 @@ from helpers import (
     spark_home,
     wait_for_port,
 )
-from kfed_spark.session import delta_package
+from kfed_spark.runtime.packaging import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import MIXTURE, N_ROWS, bare_environment, clean_environment, cli_process, published, run_cli_process
 from kfed_spark.cli import main
-from kfed_spark.session import delta_package
+from kfed_spark.runtime.packaging import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 

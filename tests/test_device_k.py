@@ -7,7 +7,7 @@ from pyspark.sql import functions as F
 from helpers import fitted_labels
 from kfed_spark.bench.synthetic import write_mixture
 from kfed_spark.cli import main
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.core.metrics import adjusted_rand_index
 
 pytestmark = pytest.mark.spark
 

@@ -8,10 +8,12 @@ import pytest
 
 from helpers import MIXTURE, fitted_labels
 from kfed_spark.bench.synthetic import close_means_mixture
-from kfed_spark.kernels import local_clusterings, nearest_center, representatives, server_step
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.core.linalg import nearest_center
+from kfed_spark.core.metrics import adjusted_rand_index
+from kfed_spark.core.reference import local_clusterings
+from kfed_spark.core.server_step import representatives, server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.workers import feature_matrix
+from kfed_spark.spark.workers import feature_matrix
 
 
 @pytest.mark.fast

@@ -8,8 +8,8 @@ from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.clustering import KMeans
 
 from helpers import MIXTURE, N_ROWS, by_row, labels_of, mixture_estimator, published, runs_of
+from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.estimator import KFed, KFedModel
-from kfed_spark.metrics import adjusted_rand_index
 
 
 @pytest.mark.spark

@@ -5,10 +5,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kfed_spark.evaluation import Evaluation, EvaluationSpec
-from kfed_spark.kernels import LabelModel
-from kfed_spark.metrics import adjusted_rand_index, ari_of, cost_of_labels
-from kfed_spark.workers import EVALUATION_COL, features_array, label_arrays
+from kfed_spark.core.evaluation import Evaluation, EvaluationSpec
+from kfed_spark.core.labels import LabelModel
+from kfed_spark.core.metrics import adjusted_rand_index, ari_of, cost_of_labels
+from kfed_spark.spark.workers import EVALUATION_COL, features_array, label_arrays
 
 pytestmark = pytest.mark.fast
 

@@ -1,12 +1,12 @@
-"""The one line that describes a failure (kfed_spark.failures), and the stop that SIGTERM leaves behind."""
+"""The one line that describes a failure (kfed_spark.runtime.failures), and the stop that SIGTERM leaves behind."""
 
 import pytest
 from pyspark.errors import PySparkException
 
 from kfed_spark.errors import ConfigError
-from kfed_spark.failures import describe
-from kfed_spark.session import delta_package
-from kfed_spark.stopping import STOP_REQUESTED, STOPPED, STREAM_STOPPED, Terminated
+from kfed_spark.runtime.failures import describe
+from kfed_spark.runtime.packaging import delta_package
+from kfed_spark.runtime.stopping import STOP_REQUESTED, STOPPED, STREAM_STOPPED, Terminated
 
 TRACE = """Job aborted due to stage failure: Task 0 in stage 3.0 failed 1 times
 org.apache.spark.api.python.PythonException: Traceback (most recent call last):

@@ -1,11 +1,11 @@
-"""The test-only fault hook the process tests act through (kfed_spark.faults)."""
+"""The test-only fault hook the process tests act through (kfed_spark.runtime.fault_injection)."""
 
 import os
 
 import pytest
 
 from kfed_spark.errors import KFedError
-from kfed_spark.faults import FAULT_ENV, point
+from kfed_spark.runtime.fault_injection import FAULT_ENV, point
 
 pytestmark = pytest.mark.fast
 

@@ -1,4 +1,4 @@
-"""k-FED fitted to a DataFrame (kfed_spark.fitting): features of every form, bad rows, what crosses to
+"""k-FED fitted to a DataFrame (kfed_spark.spark.fitting): features of every form, bad rows, what crosses to
 Python, sampling, partitioning."""
 
 import re
@@ -21,9 +21,9 @@ from helpers import (
 )
 from kfed_spark.cli import main
 from kfed_spark.config import InputConfig
-from kfed_spark.fitting import label_rows
-from kfed_spark.io import read_input
-from kfed_spark.tables import TABLES
+from kfed_spark.spark.fitting import label_rows
+from kfed_spark.spark.input import read_input
+from kfed_spark.store.tables import TABLES
 
 pytestmark = pytest.mark.spark
 

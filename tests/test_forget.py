@@ -13,7 +13,7 @@ import pytest
 from helpers import MIXTURE, N_ROWS, published, report_folder, run_cli, runs_of, spread, write_empty_config
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.cli import main
-from kfed_spark.tables import DATA_TABLES
+from kfed_spark.store.tables import DATA_TABLES
 
 pytestmark = pytest.mark.spark
 

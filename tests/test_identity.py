@@ -13,11 +13,14 @@ from helpers import MIXTURE, published, report_folder, run_cli, runs_of
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.bench.synthetic import mixture, two_days
 from kfed_spark.cli import main
-from kfed_spark.identity import ClusterSummary, match_clusters, matching_by_ids
-from kfed_spark.kernels import assigned_with_margin, local_clusterings, nearest_center, server_step
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.core.identity import ClusterSummary, match_clusters, matching_by_ids
+from kfed_spark.core.labels import assigned_with_margin
+from kfed_spark.core.linalg import nearest_center
+from kfed_spark.core.metrics import adjusted_rand_index
+from kfed_spark.core.reference import local_clusterings
+from kfed_spark.core.server_step import server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.workers import feature_matrix
+from kfed_spark.spark.workers import feature_matrix
 
 K = 20
 

@@ -1,4 +1,4 @@
-"""All Delta reads and writes of an output location (kfed_spark.io): the checks before any work, old
+"""All Delta reads and writes of an output location (kfed_spark.store.delta): the checks before any work, old
 locations, the catalog and relative paths."""
 
 import json
@@ -8,9 +8,9 @@ import pytest
 from deltalake import DeltaTable
 
 from helpers import MIXTURE, assert_commented, labels_of, published, refused, run_cli, runs_of
-from kfed_spark.io import rows_frame
 from kfed_spark.params import DEFAULTS
-from kfed_spark.tables import RUNS_SCHEMA, TABLES, RunRecord
+from kfed_spark.store.delta import rows_frame
+from kfed_spark.store.tables import RUNS_SCHEMA, TABLES, RunRecord
 
 pytestmark = pytest.mark.spark
 

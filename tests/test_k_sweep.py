@@ -1,4 +1,4 @@
-"""The k sweep over local centers (kfed_spark.k_sweep): numpy only, no Spark."""
+"""The k sweep over local centers (kfed_spark.core.k_sweep): numpy only, no Spark."""
 
 import dataclasses
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from kfed_spark.bench.synthetic import close_means_mixture, mixture, uneven_mixture
-from kfed_spark.k_sweep import k_values, sweep
-from kfed_spark.kernels import federated_kmeans, local_clusterings
-from kfed_spark.metrics import cost_of_labels
+from kfed_spark.core.k_sweep import k_values, sweep
+from kfed_spark.core.metrics import cost_of_labels
+from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.workers import feature_matrix
+from kfed_spark.spark.workers import feature_matrix
 
 pytestmark = pytest.mark.fast
 

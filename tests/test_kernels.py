@@ -4,25 +4,18 @@ import numpy as np
 import pytest
 from sklearn.metrics import adjusted_rand_score
 
-from kfed_spark import kernels
 from kfed_spark.bench.synthetic import close_means_mixture
-from kfed_spark.kernels import (
-    device_rng,
-    estimate_local_k,
-    federated_kmeans,
-    kmeans_plusplus,
-    lloyd,
-    local_step,
-    margin_initial_centers,
-    nearest_center,
-    nearest_device_center,
-    scale_counts,
-    server_step,
-    squared_distances,
-)
-from kfed_spark.metrics import adjusted_rand_index, within_cluster_cost
+from kfed_spark.core import local_step as local_step_module
+from kfed_spark.core import server_step as server_step_module
+from kfed_spark.core.labels import nearest_device_center
+from kfed_spark.core.linalg import centered, device_rng, kmeans_plusplus, lloyd, nearest_center, squared_distances
+from kfed_spark.core.local_step import estimate_local_k, local_step, margin_initial_centers
+from kfed_spark.core.metrics import adjusted_rand_index, within_cluster_cost
+from kfed_spark.core.reference import federated_kmeans, local_clusterings
+from kfed_spark.core.sampling import scale_counts
+from kfed_spark.core.server_step import server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.workers import feature_matrix
+from kfed_spark.spark.workers import feature_matrix
 
 pytestmark = pytest.mark.fast
 
@@ -139,19 +132,20 @@ def test_restarts_side_by_side_choose_what_one_after_the_other_does(rows, k, res
     restarts run one by one (up to floating-point rounding), with weights from duplicated rows."""
     rng = np.random.default_rng(rows)
     x, _ = blobs(rng, rng.normal(0, 3, size=(k, 5)), rows)
-    x, _ = kernels.centered(x)
+    x, _ = centered(x)
     weights = rng.integers(1, 4, size=rows).astype(np.float64)
-    batched = kernels._batched_rough_clusterings(x, weights, k, restarts, device_rng(1, "d"))
-    one_by_one = kernels._sequential_rough_clusterings(x, weights, k, restarts, device_rng(1, "d"))
+    batched = local_step_module._batched_rough_clusterings(x, weights, k, restarts, device_rng(1, "d"))
+    one_by_one = local_step_module._sequential_rough_clusterings(x, weights, k, restarts, device_rng(1, "d"))
     np.testing.assert_allclose(batched[0], np.stack(one_by_one[0]), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(batched[1], one_by_one[1], rtol=1e-9)
 
 
 def test_rough_clusterings_of_rows_that_run_out_of_distinct_points_fall_back_to_one_by_one():
     x = np.repeat(np.array([[0.0, 0.0], [5.0, 5.0]]), 20, axis=0)  # two distinct points for k = 3
-    assert kernels._batched_rough_clusterings(x - 2.5, np.ones(40), 3, 2, device_rng(0, 0)) is None
+    assert local_step_module._batched_rough_clusterings(x - 2.5, np.ones(40), 3, 2, device_rng(0, 0)) is None
     np.testing.assert_array_equal(
-        np.sort(kernels.rough_centers(x, np.ones(40), 3, 2, device_rng(0, 0)), axis=0), [[0.0, 0.0], [5.0, 5.0]]
+        np.sort(local_step_module.rough_centers(x, np.ones(40), 3, 2, device_rng(0, 0)), axis=0),
+        [[0.0, 0.0], [5.0, 5.0]],
     )
 
 
@@ -168,7 +162,9 @@ def test_local_restarts_keep_the_cheapest_rough_clustering_and_split_merged_clos
         ari[restarts] = adjusted_rand_index(truth, nearest_center(x, result.centers)[0])
     assert ari[1] < 0.9 and ari[3] > 0.99
     costs = [
-        nearest_center(x, kernels.rough_centers(x, np.ones(len(x)), 7, restarts, device_rng(0, device)))[1].sum()
+        nearest_center(x, local_step_module.rough_centers(x, np.ones(len(x)), 7, restarts, device_rng(0, device)))[
+            1
+        ].sum()
         for restarts in (1, 3, 10)
     ]
     assert costs[0] >= costs[1] >= costs[2]  # the first draws are shared: more restarts never cost more
@@ -302,7 +298,7 @@ def test_kmeanspp_seeds_on_a_sample_when_the_local_centers_are_many(monkeypatch)
     x, truth = blobs(rng, means, 2000)
     devices, local_ids = np.arange(2000) // 4, np.arange(2000) % 4
     params = AlgorithmParams(k=8, seeding="kmeanspp", seed=3)
-    monkeypatch.setattr(kernels, "KMEANSPP_SAMPLE_PER_CLUSTER", 4)  # 32 of the 2000 centers
+    monkeypatch.setattr(server_step_module, "KMEANSPP_SAMPLE_PER_CLUSTER", 4)  # 32 of the 2000 centers
     sampled = server_step(x, np.ones(2000), devices, local_ids, params)
     assert adjusted_rand_index(truth, sampled.assignment) == pytest.approx(1.0)
     np.testing.assert_array_equal(sampled.centers, server_step(x, np.ones(2000), devices, local_ids, params).centers)
@@ -369,7 +365,7 @@ def test_scale_counts_keeps_proportions_and_the_total():
 def test_nmi_accuracy_and_silhouette_match_scikit_learn():
     from sklearn.metrics import normalized_mutual_info_score, silhouette_score
 
-    from kfed_spark.metrics import contingency, matched_accuracy_of, nmi_of, silhouette
+    from kfed_spark.core.metrics import contingency, matched_accuracy_of, nmi_of, silhouette
 
     rng = np.random.default_rng(9)
     truth, labels, x = rng.integers(0, 4, 400), rng.integers(0, 6, 400), rng.normal(size=(400, 5))
@@ -381,7 +377,7 @@ def test_nmi_accuracy_and_silhouette_match_scikit_learn():
 
 
 def test_row_hashes_depend_on_values_and_seed_only():
-    from kfed_spark.kernels import row_hashes, smallest_hashes
+    from kfed_spark.core.sampling import row_hashes, smallest_hashes
 
     rng = np.random.default_rng(14)
     x = rng.normal(size=(500, 6))
@@ -429,12 +425,12 @@ def test_no_local_center_of_fewer_than_min_center_points_rows_leaves_its_device(
     x = np.concatenate([big, lone, [[0.5, 0.5]], [[19.0, 1.0], [21.0, -1.0]]])
     devices = np.array([0] * 61 + [1] + [2, 2])
     params = AlgorithmParams(k=2, k_per_device=3, min_center_points=3)
-    local = kernels.local_clusterings(x, devices, params)
+    local = local_clusterings(x, devices, params)
     assert local.counts.min() >= 3 and set(local.devices) == {0} and local.counts.sum() == 60
-    result = kernels.federated_kmeans(x, devices, params)
+    result = federated_kmeans(x, devices, params)
     assert len(result.labels) == len(x) and (result.labels >= 0).all()
     assert list(result.local_labels[61:]) == [-1, -1, -1]  # devices 1 and 2 share nothing
     assert result.labels[61] == result.labels[0] and result.labels[62] == result.labels[30]  # nearest global
     assert result.local_labels[60] in set(result.local_labels[:60])  # the lone row: a shared center of its device
-    everything = kernels.local_clusterings(x, devices, AlgorithmParams(k=2, k_per_device=3, min_center_points=1))
+    everything = local_clusterings(x, devices, AlgorithmParams(k=2, k_per_device=3, min_center_points=1))
     assert everything.counts.min() == 1 and len(everything.counts) == 3 + 1 + 2  # 1 shares what it has

@@ -1,10 +1,10 @@
-"""The clustering metrics (kfed_spark.metrics) against scikit-learn's, on labellings of their own."""
+"""The clustering metrics (kfed_spark.core.metrics) against scikit-learn's, on labellings of their own."""
 
 import numpy as np
 import pytest
 from sklearn import metrics as sk
 
-from kfed_spark.metrics import (
+from kfed_spark.core.metrics import (
     adjusted_rand_index,
     clusters_in_effect,
     contingency,

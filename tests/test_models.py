@@ -1,4 +1,4 @@
-"""A finished model from a run's tables (kfed_spark.models), applied to new input by `kfed-spark assign`."""
+"""A finished model from a run's tables (kfed_spark.store.models), applied to new input by `kfed-spark assign`."""
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +16,7 @@ from helpers import (
     runs_of,
 )
 from kfed_spark.cli import main
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.core.metrics import adjusted_rand_index
 
 pytestmark = pytest.mark.spark
 

@@ -1,5 +1,6 @@
-"""The package's shape: no module of kfed_spark takes part in an import cycle, lazy imports included, and
-each entry point leaves out what it does not need."""
+"""The package's shape: its folders are layers that import only downward, no module takes part in an import
+cycle (lazy imports included in both), the numeric core imports no Spark, and each entry point leaves out
+what it does not need."""
 
 import ast
 import subprocess
@@ -79,6 +80,60 @@ def test_the_cycle_check_sees_a_cycle_through_a_lazy_import():
     assert cycles({"a": {"a"}}) == [["a"]] and cycles({"a": {"b"}, "b": set()}) == []
 
 
+LAYERS = (
+    ("kfed_spark.errors", "kfed_spark.params", "kfed_spark.config"),
+    ("kfed_spark.core",),
+    ("kfed_spark.runtime",),
+    ("kfed_spark.spark",),
+    ("kfed_spark.store",),
+    ("kfed_spark.runs",),
+    ("kfed_spark.bench",),
+    ("kfed_spark.cli", "kfed_spark.estimator", "kfed_spark.estimator_params", "kfed_spark.params_codegen"),
+)
+"""The package's layers, lowest first: the settings every layer reads; the numeric core; process plumbing
+(stopping, failures, packaging, test-only fault hooks); the Spark pipeline; the output location's
+contract (table schemas, Delta I/O, the runs ledger, stored models); a run's lifecycle; the benchmarks;
+the entry points. A module imports from its own layer and the layers below it, never from one above."""
+
+
+def layer_of(module: str) -> int:
+    found = [i for i, members in enumerate(LAYERS) for m in members if module == m or module.startswith(m + ".")]
+    assert found, f"{module} is in no layer of LAYERS"
+    return found[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import of a module from a layer above its own."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def package_graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(path) for path in paths}
+    packages = {name for name in modules if (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()}
+    return {
+        module_name(path): imports_of(path, modules) - packages for path in paths if module_name(path) not in packages
+    }
+
+
+def test_every_import_points_to_the_same_layer_or_one_below():
+    assert upward_imports(package_graph()) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"kfed_spark.core.linalg": {"kfed_spark.params"}, "kfed_spark.spark.fitting": {"kfed_spark.store.tables"}}
+    assert upward_imports(graph) == [("kfed_spark.spark.fitting", "kfed_spark.store.tables")]
+
+
+def test_the_numeric_core_imports_no_spark():
+    """The kernels are tested without a JVM and run in the Python workers: nothing of pyspark in them."""
+    for path in sorted((PACKAGE / "core").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not [name for name in imported if name.split(".")[0] in ("pyspark", "delta")], path.name
+
+
 @dataclass(frozen=True)
 class ImportLimit:
     imports: str  # what an entry point imports
@@ -97,20 +152,20 @@ class ImportLimit:
 
 IMPORT_LIMITS = [
     ImportLimit(
-        "kfed_spark.cli, kfed_spark.job, kfed_spark.session",
+        "kfed_spark.cli, kfed_spark.runs.job, kfed_spark.spark.session",
         ("kfed_spark.bench",),
         "`kfed-spark run` before its Spark session imports none of the benchmarks' tooling",
     ),
     ImportLimit(
         "kfed_spark.estimator",
-        ("kfed_spark.job", "kfed_spark.attempts", "kfed_spark.bench"),
+        ("kfed_spark.runs.job", "kfed_spark.store.ledger", "kfed_spark.bench"),
         "a notebook without delta-spark imports the estimator: the fit layer, not the job's stages",
         missing=("delta",),
     ),
     ImportLimit(
-        "kfed_spark.workers",
+        "kfed_spark.spark.workers",
         ("scipy",),
-        "every Python worker of a run imports kfed_spark.workers; scipy's statistics would cost it 0.4 s (the "
+        "every Python worker of a run imports kfed_spark.spark.workers; scipy's statistics would cost it 0.4 s (the "
         "privacy accounting imports them only when a run has a budget)",
     ),
 ]

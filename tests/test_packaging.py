@@ -5,7 +5,7 @@ from importlib.metadata import version
 
 import pytest
 
-from kfed_spark.packaging import (
+from kfed_spark.runtime.packaging import (
     ENV_ARCHIVE,
     build,
     drop_test_suites,
@@ -28,7 +28,7 @@ def test_the_environment_pins_the_job_dependencies_at_the_versions_installed_her
 def test_the_package_zip_holds_every_module_under_its_package_name(tmp_path):
     with zipfile.ZipFile(write_package_zip(tmp_path / "kfed_spark.zip")) as archive:
         names = archive.namelist()
-    assert {"kfed_spark/job.py", "kfed_spark/__init__.py", "kfed_spark/bench/synthetic.py"} <= set(names)
+    assert {"kfed_spark/runs/job.py", "kfed_spark/__init__.py", "kfed_spark/bench/synthetic.py"} <= set(names)
     assert all(name.startswith("kfed_spark/") and name.endswith(".py") for name in names)
 
 

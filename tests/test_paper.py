@@ -18,7 +18,7 @@ from kfed_spark.bench.paper import (
 )
 from kfed_spark.bench.quality import problems
 from kfed_spark.cli import main
-from kfed_spark.metrics import cost_of_labels
+from kfed_spark.core.metrics import cost_of_labels
 
 
 @pytest.mark.fast

@@ -5,8 +5,10 @@ from dataclasses import fields
 
 import pytest
 
-from kfed_spark import kernels
 from kfed_spark.config import KFedConfig, load_config
+from kfed_spark.core.local_step import local_step
+from kfed_spark.core.reference import federated_kmeans
+from kfed_spark.core.server_step import server_step
 from kfed_spark.errors import ConfigError
 from kfed_spark.estimator import KFed, KFedModel
 from kfed_spark.params import DEFAULTS, AlgorithmParams
@@ -28,7 +30,7 @@ def test_config_and_estimator_defaults_are_the_tables():
 
 
 def test_kernels_defaults_are_the_tables():
-    for function in (kernels.local_step, kernels.server_step, kernels.federated_kmeans):  # they take the table
+    for function in (local_step, server_step, federated_kmeans):  # they take the table
         assert inspect.signature(function).parameters["params"].default is DEFAULTS
 
 

@@ -24,13 +24,13 @@ from conftest import write_config
 from deltalake import DeltaTable
 
 from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, clean_environment, cli_process, runs_of
-from kfed_spark.attempts import published_attempts
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.errors import KFedError
-from kfed_spark.faults import FAULT_ENV
-from kfed_spark.io import OutputTables
-from kfed_spark.tables import DATA_TABLES, RunRecord
+from kfed_spark.runtime.fault_injection import FAULT_ENV
+from kfed_spark.store.delta import OutputTables
+from kfed_spark.store.ledger import published_attempts
+from kfed_spark.store.tables import DATA_TABLES, RunRecord
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
 
@@ -69,7 +69,7 @@ def last_line(err):
 
 
 def waiting_at(gate, processes: int) -> None:
-    """Wait until `processes` processes wait at `gate` (each made gate.<pid>: faults.point)."""
+    """Wait until `processes` processes wait at `gate` (each made gate.<pid>: fault_injection.point)."""
     deadline = time.monotonic() + 240
     while len(list(gate.parent.glob(f"{gate.name}.*"))) < processes and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -10,8 +10,8 @@ import pytest
 from deltalake import write_deltalake
 
 from helpers import DUCKDB_PUBLISHED_LABELS, ROOT
-from kfed_spark.attempts import published_attempts
-from kfed_spark.tables import PUBLISHED_ATTEMPTS, RunRecord
+from kfed_spark.store.ledger import published_attempts
+from kfed_spark.store.tables import PUBLISHED_ATTEMPTS, RunRecord
 
 pytestmark = pytest.mark.fast
 

@@ -18,8 +18,8 @@ from helpers import (
     write_empty_config,
 )
 from kfed_spark.cli import main
-from kfed_spark.faults import FAULT_ENV
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.core.metrics import adjusted_rand_index
+from kfed_spark.runtime.fault_injection import FAULT_ENV
 
 
 def sorted_labels(spark, out, run_id="first"):

@@ -7,10 +7,12 @@ import pytest
 
 from helpers import FAR_MIXTURE, FEATURE_MOVES, spread
 from kfed_spark.bench import synthetic
-from kfed_spark.kernels import DeviceClusterings, device_rng, federated_kmeans, local_clusterings, local_step
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.core.linalg import device_rng
+from kfed_spark.core.local_step import local_step
+from kfed_spark.core.metrics import adjusted_rand_index
+from kfed_spark.core.reference import DeviceClusterings, federated_kmeans, local_clusterings
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.workers import feature_matrix
+from kfed_spark.spark.workers import feature_matrix
 
 pytestmark = pytest.mark.fast
 

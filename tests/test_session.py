@@ -13,7 +13,7 @@ def test_the_progress_bar_is_on_only_where_stderr_is_a_terminal(tmp_path):
     """session.console_progress in a process whose stderr is a pseudo-terminal, a file, or a terminal with
     the bar turned off in the config. (That Spark then draws the bar on a terminal was checked by hand.)"""
     check = (
-        "from kfed_spark.session import console_progress; import sys; "
+        "from kfed_spark.spark.session import console_progress; import sys; "
         "print(console_progress({} if len(sys.argv) < 2 else {'spark.ui.showConsoleProgress': sys.argv[1]}))"
     )
 
@@ -43,7 +43,7 @@ def test_python_workers_get_one_blas_thread(spark):
 
 @pytest.mark.fast
 def test_a_local_session_starts_from_the_class_archive_unless_told_otherwise(tmp_path, monkeypatch):
-    from kfed_spark.session import DRIVER_DEFAULT_JAVA_OPTIONS, JVM_ARCHIVE_ENV, with_jvm_archive
+    from kfed_spark.spark.session import DRIVER_DEFAULT_JAVA_OPTIONS, JVM_ARCHIVE_ENV, with_jvm_archive
 
     archive = tmp_path / "classes.jsa"
     monkeypatch.setenv(JVM_ARCHIVE_ENV, str(archive))
@@ -63,7 +63,7 @@ def test_the_tests_jvm_maps_the_class_archive(spark, jvm_archive):
     bytes mapped: the archive's and the JDK's own), it does not merely get the option. On a machine without
     the archive, the worker that did not write it starts its session before it is there (conftest's
     jvm_archive): that session got no archive, and the archive is not there yet or newer than its JVM."""
-    from kfed_spark.session import DRIVER_DEFAULT_JAVA_OPTIONS
+    from kfed_spark.spark.session import DRIVER_DEFAULT_JAVA_OPTIONS
 
     runtime = spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
     if "SharedArchiveFile" not in spark.sparkContext.getConf().get(DRIVER_DEFAULT_JAVA_OPTIONS, ""):
@@ -83,7 +83,7 @@ def test_a_local_spark_gets_partition_counts_sized_to_its_cores(monkeypatch):
     """Three shuffle partitions and one Delta snapshot partition per core of a local Spark that the job starts;
     nothing for a Spark it does not start itself."""
     from kfed_spark.config import SparkConfig
-    from kfed_spark.session import local_sizes
+    from kfed_spark.spark.session import local_sizes
 
     for name in ("MASTER", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
         monkeypatch.delenv(name, raising=False)
@@ -114,7 +114,7 @@ def test_a_session_already_running_keeps_its_own_partition_counts(spark):
     """A run in a process whose Spark is already up (a notebook's, the tests') with a config of no Spark
     settings leaves that session's partition counts as they are: it did not start that Spark."""
     from kfed_spark.config import SparkConfig
-    from kfed_spark.session import build_session
+    from kfed_spark.spark.session import build_session
 
     before = {name: spark.conf.get(name) for name in (SHUFFLE_PARTITIONS, SNAPSHOT_PARTITIONS)}
     try:

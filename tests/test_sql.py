@@ -8,7 +8,7 @@ from deltalake import DeltaTable
 from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, readme_device_profile_queries, run_cli
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
-from kfed_spark.io import OutputTables
+from kfed_spark.store.delta import OutputTables
 
 pytestmark = pytest.mark.spark
 

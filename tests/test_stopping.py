@@ -1,4 +1,4 @@
-"""Stopping on SIGTERM (kfed_spark.stopping): a real signal to this process, without a Spark session."""
+"""Stopping on SIGTERM (kfed_spark.runtime.stopping): a real signal to this process, without a Spark session."""
 
 import os
 import signal
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from kfed_spark import session
-from kfed_spark.stopping import (
+from kfed_spark.runtime import stopping
+from kfed_spark.runtime.stopping import (
     STOP_REQUESTED,
     STOPPED,
     STREAM_STOPPED,
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.fast
 def own_sigterm(monkeypatch):
     """This process's SIGTERM handler and stop state as they were, afterwards; no session remembered
     (a session the test process built would be interrupted and silenced)."""
-    monkeypatch.setattr(session, "_last_built", [])
+    monkeypatch.setattr(stopping, "_last_built", [])
     previous = signal.getsignal(signal.SIGTERM)
     yield
     signal.signal(signal.SIGTERM, previous)

@@ -27,14 +27,14 @@ from helpers import (
 )
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
+from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.estimator import KFedModel
-from kfed_spark.faults import FAULT_ENV
-from kfed_spark.io import OutputTables
-from kfed_spark.metrics import adjusted_rand_index
-from kfed_spark.models import stored_model
-from kfed_spark.stopping import STREAM_STOPPED
-from kfed_spark.streaming import start
-from kfed_spark.tables import STREAM_TABLES
+from kfed_spark.runs.streaming import start
+from kfed_spark.runtime.fault_injection import FAULT_ENV
+from kfed_spark.runtime.stopping import STREAM_STOPPED
+from kfed_spark.store.delta import OutputTables
+from kfed_spark.store.models import stored_model
+from kfed_spark.store.tables import STREAM_TABLES
 
 MIXTURE_DDL = "row_id bigint, device_id bigint, features array<double>, true_cluster int"
 SEEN_DEVICES = 45

@@ -1,13 +1,13 @@
-"""The table contract (kfed_spark.tables): what every output table holds, says and is partitioned by."""
+"""The table contract (kfed_spark.store.tables): what every output table holds, says and is partitioned by."""
 
 from dataclasses import fields
 
 import pytest
 from pyspark.sql.types import ArrayType, DoubleType, LongType, StringType, StructField, StructType
 
-from kfed_spark.k_sweep import KFigures
-from kfed_spark.tables import (
-    ADDED_COLUMNS,
+from kfed_spark.core.k_sweep import KFigures
+from kfed_spark.spark.columns import ADDED_COLUMNS
+from kfed_spark.store.tables import (
     DATA_TABLES,
     K_SWEEP_TYPE,
     PARTITION_COLUMNS,

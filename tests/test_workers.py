@@ -4,9 +4,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kfed_spark.kernels import LabelModel, device_rng, local_step, row_hashes, smallest_hashes
+from kfed_spark.core.labels import LabelModel
+from kfed_spark.core.linalg import device_rng
+from kfed_spark.core.local_step import local_step
+from kfed_spark.core.sampling import row_hashes, smallest_hashes
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.workers import LocalStepSpec, device_runs, label_arrays, local_centers_from_batches
+from kfed_spark.spark.workers import LocalStepSpec, device_runs, label_arrays, local_centers_from_batches
 
 pytestmark = pytest.mark.fast
 

@@ -20,11 +20,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kfed_spark.config import build_config
-from kfed_spark.kernels import federated_kmeans, server_step
-from kfed_spark.metrics import adjusted_rand_index, cost_of_labels
+from kfed_spark.core.metrics import adjusted_rand_index, cost_of_labels
+from kfed_spark.core.reference import federated_kmeans
+from kfed_spark.core.server_step import server_step
 from kfed_spark.params import DEFAULTS, AlgorithmParams
-from kfed_spark.tables import stats_columns
-from kfed_spark.workers import feature_matrix
+from kfed_spark.spark.workers import feature_matrix
+from kfed_spark.store.tables import stats_columns
 
 log = logging.getLogger("kfed_spark")
 
@@ -92,13 +93,13 @@ BENCH_SPARK_CONF = {
     "spark.log.level": "WARN",
 }
 """The Spark settings of every benchmark process, the job's included, beyond what every local session
-gets (kfed_spark.session.local_sizes): those of conf/local.yaml."""
+gets (kfed_spark.spark.session.local_sizes): those of conf/local.yaml."""
 
 
 def bench_session(app_name: str, driver_memory: str, master: str = "local[2]"):
     """A local SparkSession with Delta and BENCH_SPARK_CONF."""
     from kfed_spark.config import SparkConfig
-    from kfed_spark.session import build_session
+    from kfed_spark.spark.session import build_session
 
     conf = {"spark.driver.memory": driver_memory, **BENCH_SPARK_CONF}
     return build_session(SparkConfig(master=master, app_name=app_name, conf=conf))
@@ -133,8 +134,8 @@ def run_kfed_spark(
 ) -> tuple[Entry, np.ndarray]:
     from pyspark.sql import functions as F
 
-    from kfed_spark.io import OutputTables
-    from kfed_spark.job import run
+    from kfed_spark.runs.job import run
+    from kfed_spark.store.delta import OutputTables
 
     cfg = build_config(
         {
@@ -198,7 +199,7 @@ def with_one_int_per_row(rows):
 
 def labels_like_stats() -> dict[str, str]:
     """The table property that keeps Delta statistics on the columns the labels table keeps them on."""
-    from kfed_spark.io import STATS_COLUMNS_PROPERTY
+    from kfed_spark.store.delta import STATS_COLUMNS_PROPERTY
 
     return {STATS_COLUMNS_PROPERTY: ",".join(stats_columns("device_id")["labels"][:1] + ["cluster_id"])}
 
@@ -494,8 +495,8 @@ def generated_local_centers(spark, path: str, devices: int, per_device: int, k: 
     """Write devices x per_device local centers drawn around k means as Parquet, generated in the
     executors (the driver never holds them), with the mean each one was drawn around (true_cluster)."""
     from kfed_spark.bench.synthetic import MEAN_SCALE
-    from kfed_spark.kernels import device_rng
-    from kfed_spark.workers import features_array
+    from kfed_spark.core.linalg import device_rng
+    from kfed_spark.spark.workers import features_array
 
     means = np.random.default_rng([seed, 0x5E]).normal(0.0, MEAN_SCALE, size=(k, dim))
 
@@ -525,11 +526,11 @@ def generated_local_centers(spark, path: str, devices: int, per_device: int, k: 
 def benchmark_distributed_server(
     spark, out: Path, devices: int, per_device: int, k: int, dim: int, seed: int
 ) -> dict[str, float]:
-    """Time the distributed server step (kfed_spark.distributed) on generated local centers read from
+    """Time the distributed server step (kfed_spark.spark.distributed) on generated local centers read from
     Parquet: the merge, then every local center's cluster written back as Parquet; with the ARI of
     those clusters against the means the centers were drawn around, and the peak memory."""
-    from kfed_spark.distributed import global_centers, with_clusters
-    from kfed_spark.metrics import ari_of
+    from kfed_spark.core.metrics import ari_of
+    from kfed_spark.spark.distributed import global_centers, with_clusters
 
     data = str(out / "local_centers")
     generated_local_centers(spark, data, devices, per_device, k, dim, seed)

@@ -76,7 +76,7 @@ def setup(spark, data: str, out: Path, kfed_config: str, stages: Stages) -> dict
     """What exists before a scheduled run, made in one process, untimed: the bare passes' Delta table, empty,
     and k-FED's output location, from a run (id bench-setup) of kfed_config in this session."""
     from kfed_spark.config import load_config
-    from kfed_spark.job import run
+    from kfed_spark.runs.job import run
 
     schema = with_one_int_per_row(spark.read.parquet(data)).schema
     new_delta_table(spark, out / PASSES_TABLE, schema, labels_like_stats())

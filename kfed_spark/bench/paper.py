@@ -10,7 +10,7 @@
   each; accuracy after the best one-to-one matching of clusters to classes, over several seeds, k-FED
   against a centralized k-means++.
 
-k-FED runs as kernels.federated_kmeans (the Spark job's kernels, which a test holds equal to the job).
+k-FED runs as reference.federated_kmeans (the Spark job's kernels, which a test holds equal to the job).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import pyarrow.parquet as pq
 
 from kfed_spark.bench.quality import K_PER_DEVICE, Problem, problems
 from kfed_spark.bench.synthetic import MEAN_SCALE, median_nearest_mean_distance
-from kfed_spark.kernels import device_rng, federated_kmeans, local_clusterings
-from kfed_spark.metrics import ari_of, clusters_in_effect, contingency, cost_of_labels, matched_accuracy_of
+from kfed_spark.core.linalg import device_rng
+from kfed_spark.core.metrics import ari_of, clusters_in_effect, contingency, cost_of_labels, matched_accuracy_of
+from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import LABEL_MODES, AlgorithmParams
-from kfed_spark.workers import features_array
+from kfed_spark.spark.workers import features_array
 
 K_PRIMES = {"femnist": (2, 4, 8, 16, 32), "shakespeare": (1, 2, 4, 8, 16), "mixture": (1, 2, 4, 8, 16)}
 """The k' each dataset's partition study sweeps (FEMNIST writers hold 3 to 58 classes, a Shakespeare role
@@ -232,7 +233,7 @@ def figures(partitions: list[PartitionRow], rounds: list[RoundsRow], synthetic: 
     """PNG bytes of the three figures, by file name."""
     from matplotlib.figure import Figure
 
-    from kfed_spark.report import png
+    from kfed_spark.runs.report import png
 
     images = {}
     datasets = list(dict.fromkeys(r.dataset for r in partitions))

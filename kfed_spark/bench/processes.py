@@ -27,8 +27,8 @@ import yaml
 
 from kfed_spark.bench.benchmark import BENCH_SPARK_CONF, memory_roles
 from kfed_spark.bench.contenders import MLLIB_LABELS
+from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.errors import KFedError
-from kfed_spark.metrics import adjusted_rand_index
 
 KFED = "k-FED: kfed-spark run, a new run id into an existing location"
 MLLIB = "Spark MLlib KMeans: read, fit, transform, Delta write"

@@ -21,11 +21,12 @@ import pyarrow.parquet as pq
 
 from kfed_spark.bench.datasets import DATASETS, load
 from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture, uneven_mixture
-from kfed_spark.k_sweep import k_values, sweep
-from kfed_spark.kernels import device_rng, federated_kmeans, local_clusterings
-from kfed_spark.metrics import ari_of, contingency, cost_of_labels, nmi_of
+from kfed_spark.core.k_sweep import k_values, sweep
+from kfed_spark.core.linalg import device_rng
+from kfed_spark.core.metrics import ari_of, contingency, cost_of_labels, nmi_of
+from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import DEFAULTS, LABEL_MODES, SEEDING_RULES, AlgorithmParams
-from kfed_spark.workers import feature_matrix, features_array
+from kfed_spark.spark.workers import feature_matrix, features_array
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
 OUTLIER_DEVICES = 10
@@ -122,7 +123,7 @@ class PrivacyRow:
 
 @dataclass
 class KChoiceRow:
-    """What the k sweep (kfed_spark.k_sweep) over a dataset's local centers recommends, against its true k."""
+    """What the k sweep (kfed_spark.core.k_sweep) over a dataset's local centers recommends, against its true k."""
 
     dataset: str
     true_k: int

@@ -1,6 +1,7 @@
 """The table contract: every output table's name, schema, comments, partitioning and statistics
 columns, and the rule that says which attempt of a run readers see. Every reader and writer takes
-them from here (kfed_spark.io writes them, kfed_spark.attempts keeps the runs table, the job and
+them from here, or from kfed_spark.spark.columns for what the pipeline adds to the input's rows
+(kfed_spark.store.delta writes them, kfed_spark.store.ledger keeps the runs table, the job and
 the stream fill them); only pyspark's types are imported.
 
 Each table of a run is partitioned by (run_id, attempt_id); an attempt appends its own rows, and the
@@ -28,13 +29,19 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from kfed_spark.spark.columns import (
+    ATTEMPT_COLUMNS,
+    LOCAL_CENTER_FIELDS,
+    labelled_fields,
+)
+
 TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "cluster_changes", "runs")
 DATA_TABLES = TABLES[:-1]
 """The tables whose rows belong to one attempt of a run; `runs` says which attempts are published."""
 STREAM_TABLES = ("stream_labels", "stream_quarantine")
 """The tables `kfed-spark stream` appends each micro-batch to, exactly once; not partitioned by attempt:
 every row in them is final."""
-PARTITION_COLUMNS = ("run_id", "attempt_id")
+PARTITION_COLUMNS = ATTEMPT_COLUMNS
 
 PUBLISHED_ATTEMPTS = (
     "SELECT run_id, max_by(attempt_id, publish_seq) AS attempt_id FROM {runs} "
@@ -89,7 +96,7 @@ COLUMN_COMMENTS = {
     "k": "global clusters: as asked for, or as the k sweep chose with k auto (0 while it has not chosen yet)",
     "k_range": "with k auto: the smallest and largest k swept (null: k was given)",
     "k_sweep": "with k auto: every swept k's exact SSE, BIC, silhouette, noise ratio and stability "
-    "(kfed_spark.k_sweep)",
+    "(kfed_spark.core.k_sweep)",
     "k_per_device": "local clusters per device: a number, a column or auto",
     "seed": "the run seed; every random draw is seeded from it and the device id",
     "seeding": "the server step's seeding rule (kmeanspp or farthest)",
@@ -210,32 +217,6 @@ DEVICE_CLUSTER_FIELDS = [
 """device_clusters after device_id: one row per device and global cluster it has labelled rows in."""
 
 
-LOCAL_CENTER_COLUMNS = ["device_id", "local_cluster_id", "center", "n_points", "sse"]
-
-LOCAL_CENTER_FIELDS = [
-    StructField("local_cluster_id", IntegerType(), False),
-    StructField("center", ArrayType(DoubleType(), False), False),
-    StructField("n_points", LongType(), False),
-    StructField("sse", DoubleType(), False),
-]
-"""The fields of a local center after its device_id."""
-
-
-def labelled_fields(raw_schema: StructType) -> list[StructField]:
-    """The input's columns followed by the columns the labels table adds: the row's local and global
-    cluster, its distance to the global center and its margin (kernels.assigned_with_margin)."""
-    return list(raw_schema.fields) + [
-        StructField("local_cluster_id", IntegerType(), True),
-        StructField("cluster_id", IntegerType(), True),
-        StructField("distance", DoubleType(), True),
-        StructField("margin", DoubleType(), True),
-    ]
-
-
-ADDED_COLUMNS = (*[f.name for f in labelled_fields(StructType())], *PARTITION_COLUMNS)
-"""The columns the labels table adds to the input's: an input column of one of these names is refused."""
-
-
 def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructType]:
     """The schema of every output table for an input of this schema; each ends with (run_id, attempt_id)."""
     device = StructField("device_id", raw_schema[device_col].dataType, False)
@@ -278,7 +259,7 @@ K_SWEEP_TYPE = StructType(
         StructField("stability", DoubleType(), True),
     ]
 )
-"""One k of a k auto run's sweep (kfed_spark.k_sweep.KFigures without its seconds)."""
+"""One k of a k auto run's sweep (kfed_spark.core.k_sweep.KFigures without its seconds)."""
 
 
 def _column(spark_type: DataType) -> Any:
@@ -287,13 +268,13 @@ def _column(spark_type: DataType) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class RunRecord:
-    """One attempt's row of the runs table (kfed_spark.attempts writes them). RUNS_SCHEMA is made from
+    """One attempt's row of the runs table (kfed_spark.store.ledger writes them). RUNS_SCHEMA is made from
     these fields, in this order: a field's Spark type is its column's, and `| None` makes it nullable."""
 
     run_id: str = _column(StringType())
     attempt_id: str = _column(StringType())
     status: str = _column(StringType())
-    """running, succeeded, superseded, failed or abandoned (kfed_spark.attempts)"""
+    """running, succeeded, superseded, failed or abandoned (kfed_spark.store.ledger)"""
     error: str | None = _column(StringType())
     publish_seq: int | None = _column(LongType())
     rows_removed: bool = _column(BooleanType())
@@ -321,7 +302,7 @@ class RunRecord:
     timings: dict[str, float] = _column(MapType(StringType(), DoubleType()))
     config: str = _column(StringType())
     versions: dict[str, str] = _column(MapType(StringType(), StringType()))
-    # Added after the first release: null in the rows of older versions (io.OutputTables.prepare adds them).
+    # Added after the first release: null in the rows of older versions (delta.OutputTables.prepare adds them).
     local_restarts: int | None = _column(IntegerType())
     robust_min_size: float | None = _column(DoubleType())
     identity_mode: str | None = _column(StringType())

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kfed_spark.kernels import SERVER_RNG_KEY, between_sse, centered, device_rng, server_step, squared_distances
-from kfed_spark.metrics import adjusted_rand_index
+from kfed_spark.core.linalg import between_sse, centered, device_rng, squared_distances
+from kfed_spark.core.metrics import adjusted_rand_index
+from kfed_spark.core.server_step import SERVER_RNG_KEY, server_step
 from kfed_spark.params import AlgorithmParams
 
 BIC_TOLERANCE = 0.005

@@ -9,7 +9,6 @@ import socket
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
@@ -19,6 +18,8 @@ from pyspark.sql import SparkSession
 
 from kfed_spark.config import SparkConfig
 from kfed_spark.errors import KFedError, UnreachableError
+from kfed_spark.runtime.packaging import delta_package
+from kfed_spark.runtime.stopping import remember_session
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,15 +55,6 @@ DRIVER_DEFAULT_JAVA_OPTIONS = "spark.driver.defaultJavaOptions"
 own extra options stay as they are."""
 QUIET_ARCHIVE = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
 """An archive the JVM cannot use (another Java, another class path) is skipped without a word on the console."""
-
-
-_last_built: list[SparkSession] = []
-
-
-def last_built_session() -> SparkSession | None:
-    """The session build_session last returned, found without a call into the JVM: a SIGTERM handler
-    runs in the main thread, which may be inside a py4j call whose connection must not carry another."""
-    return _last_built[-1] if _last_built else None
 
 
 def build_session(spark_cfg: SparkConfig) -> SparkSession:
@@ -145,7 +137,7 @@ def console_progress(conf: dict) -> str:
 
 
 def _remembered(session: SparkSession) -> SparkSession:
-    _last_built[:] = [session]
+    remember_session(session)
     return session
 
 
@@ -290,17 +282,3 @@ def local_sizes(spark_cfg: SparkConfig) -> dict[str, str]:
 def under_spark_submit() -> bool:
     """This Python was started by spark-submit, whose JVM is already up (it passes its gateway's port)."""
     return "PYSPARK_GATEWAY_PORT" in os.environ
-
-
-def delta_package() -> str | None:
-    """The Maven coordinate of the Delta jar matching the installed pyspark and delta-spark,
-    for `spark-submit --packages` (the same rule configure_spark_with_delta_pip follows); None where
-    delta-spark is not installed (a packed environment on a cluster)."""
-    import pyspark
-
-    try:
-        delta = version("delta-spark")
-    except PackageNotFoundError:
-        return None
-    spark_minor = ".".join(pyspark.__version__.split(".")[:2])
-    return f"io.delta:delta-spark_{spark_minor}_2.13:{delta}"

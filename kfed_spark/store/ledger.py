@@ -2,7 +2,7 @@
 
 Delta commits one table at a time, so a run's five tables cannot change in one commit. Instead every
 attempt of a run id gets its own attempt id and appends its rows, tagged with it, to every table;
-readers see only published attempts (kfed_spark.io's views). An attempt is published by one commit
+readers see only published attempts (kfed_spark.store.delta's views). An attempt is published by one commit
 of its `runs` row with status `succeeded`; until that commit the previously published attempt of the
 run id is what readers see, and after it the new one, whole.
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from kfed_spark.errors import AttemptConflict, ConfigError, first_line
-from kfed_spark.io import OutputTables, attempt_filter, rows_frame
-from kfed_spark.stopping import despite_the_stop
-from kfed_spark.tables import RUNS_SCHEMA, RunRecord
+from kfed_spark.runtime.stopping import despite_the_stop
+from kfed_spark.store.delta import OutputTables, attempt_filter, rows_frame
+from kfed_spark.store.tables import RUNS_SCHEMA, RunRecord
 
 log = logging.getLogger("kfed_spark")
 

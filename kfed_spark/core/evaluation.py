@@ -19,8 +19,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kfed_spark.kernels import row_hashes
-from kfed_spark.metrics import contingency, within_cluster_cost
+from kfed_spark.core.metrics import contingency, within_cluster_cost
+from kfed_spark.core.sampling import row_hashes
 
 NULL_TRUTH = "\0null"
 """The truth class of rows whose truth value is null (truth values are compared as text)."""

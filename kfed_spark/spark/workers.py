@@ -12,28 +12,20 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kfed_spark.evaluation import EvaluationSpec, PartitionEvaluation
-from kfed_spark.kernels import (
-    LabelModel,
-    LocalClustering,
-    device_local_step,
-    device_rng,
-    estimate_local_k,
-    nearest_center,
-    representatives,
-    row_hashes,
-    scale_counts,
-    shared_centers,
-    smallest_hashes,
-)
+from kfed_spark.core.evaluation import EvaluationSpec, PartitionEvaluation
+from kfed_spark.core.labels import LabelModel
+from kfed_spark.core.linalg import device_rng, nearest_center
+from kfed_spark.core.local_step import LocalClustering, device_local_step, estimate_local_k, shared_centers
+from kfed_spark.core.sampling import row_hashes, scale_counts, smallest_hashes
+from kfed_spark.core.server_step import representatives
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.tables import LOCAL_CENTER_COLUMNS
+from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
 
 SQ_DIST_COL = "__kfed_sq_dist"
 """Internal column: a row's squared distance to its global center, summed into the run's cost."""
 
 EVALUATION_COL = "__kfed_evaluation"
-"""Internal column: a partition's PartitionEvaluation (kfed_spark.evaluation) on its last labelled row."""
+"""Internal column: a partition's PartitionEvaluation (kfed_spark.core.evaluation) on its last labelled row."""
 
 LOCAL_OUTPUT_ROWS = 4096
 """Local-center rows gathered before a batch is sent back to Spark."""
@@ -71,7 +63,7 @@ class LocalStepSpec:
     """What the local step needs inside a Python worker (pickled with the function: keep it small).
 
     k_source: "fixed" clusters every device with k centers, "auto" estimates each device's k_z
-    in [1, k] from its rows (kernels.estimate_local_k), "column" reads k_z from the batches'
+    in [1, k] from its rows (local_step.estimate_local_k), "column" reads k_z from the batches'
     third column.
     """
 
@@ -81,9 +73,9 @@ class LocalStepSpec:
     device_type: pa.DataType
     k_source: str = "fixed"
     noise_key: int | None = None
-    """With privacy_epsilon: the run's secret key of the privacy noise (kernels.noise_rng), never written."""
+    """With privacy_epsilon: the run's secret key of the privacy noise (linalg.noise_rng), never written."""
     task_fault: str | None = None
-    """Test-only (kfed_spark.faults): 'fail_first_attempt' or 'stall' in every local-step task."""
+    """Test-only (kfed_spark.runtime.fault_injection): 'fail_first_attempt' or 'stall' in every local-step task."""
 
 
 def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalStepSpec) -> Iterator[pa.RecordBatch]:
@@ -157,7 +149,7 @@ class _DeviceSample:
 
 
 def _task_fault(fault: str) -> None:
-    """Test-only faults (kfed_spark.faults): fail a task's first attempt (Spark must retry it), or
+    """Test-only faults (kfed_spark.runtime.fault_injection): fail a task's first attempt (Spark must retry it), or
     stall the task (a run that SIGTERM must stop)."""
     from pyspark import TaskContext
 
@@ -218,7 +210,7 @@ def representatives_from_batches(
     batches: Iterator[pa.RecordBatch], m: int, dim: int, seed: int
 ) -> Iterator[pa.RecordBatch]:
     """One partition of (device_id, local_cluster_id, center, n_points) local centers reduced to at
-    most m weighted representatives (kernels.representatives); yields (center, weight). The draws are
+    most m weighted representatives (server_step.representatives); yields (center, weight). The draws are
     seeded from the run seed and the partition's first local center's ids (not its values, which
     shifting the features would change), so a retried task draws the same."""
     table = pa.Table.from_batches(list(batches))
@@ -254,7 +246,7 @@ def label_arrays(
     features hold a null, NaN or infinite value gets non_finite = true instead of a label: numpy
     checks that for next to nothing. Labelled rows get local_cluster_id (null for a device the model
     has not seen), cluster_id, their squared distance to the global center and their margin
-    (kernels.assigned_with_margin). With an evaluation spec, the partition's
+    (labels.assigned_with_margin). With an evaluation spec, the partition's
     PartitionEvaluation (the truth is the fourth array) is on the last row's EVALUATION_COL, null on
     every other row; each batch is held until the next one shows it is not the last.
     """

@@ -3,8 +3,8 @@
 Feature preparation (validated), alg. 1 on every device in the executors (collect_local_centers),
 alg. 2 on the driver (fit), devices a model has not seen (extend_with_new_devices) and the
 labelling pass (label_rows). Nothing is written here, and the only table read is the side table
-k_per_device may name (io.read_side_table); the functions Spark runs in the Python workers are in
-kfed_spark.workers, the numpy in kfed_spark.kernels.
+k_per_device may name (input.read_side_table); the functions Spark runs in the Python workers are in
+kfed_spark.spark.workers, the numpy in kfed_spark.kernels.
 """
 
 from __future__ import annotations
@@ -36,18 +36,20 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from kfed_spark import faults
 from kfed_spark.config import KFedConfig
-from kfed_spark.distributed import global_centers, with_clusters
+from kfed_spark.core.evaluation import EvaluationSpec
+from kfed_spark.core.identity import ClusterSummary
+from kfed_spark.core.k_sweep import KSweep, k_values, sweep
+from kfed_spark.core.labels import LabelModel
+from kfed_spark.core.linalg import nearest_center
+from kfed_spark.core.server_step import ServerClustering, server_step
 from kfed_spark.errors import InputError, KFedError
-from kfed_spark.evaluation import EvaluationSpec
-from kfed_spark.identity import ClusterSummary
-from kfed_spark.io import read_side_table
-from kfed_spark.k_sweep import KSweep, k_values, sweep
-from kfed_spark.kernels import LabelModel, ServerClustering, nearest_center, server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.tables import ADDED_COLUMNS, LOCAL_CENTER_FIELDS
-from kfed_spark.workers import (
+from kfed_spark.runtime import fault_injection
+from kfed_spark.spark.columns import ADDED_COLUMNS, LOCAL_CENTER_FIELDS
+from kfed_spark.spark.distributed import global_centers, with_clusters
+from kfed_spark.spark.input import read_side_table
+from kfed_spark.spark.workers import (
     EVALUATION_COL,
     LABEL_FIELDS,
     NON_FINITE,
@@ -108,7 +110,7 @@ class Clustering:
     local: LocalCenters
     server: ServerClustering
     model: LabelModel
-    cluster_ids: np.ndarray  # the published id of each global center (kfed_spark.identity)
+    cluster_ids: np.ndarray  # the published id of each global center (kfed_spark.core.identity)
     k_sweep: KSweep | None = None  # with k 'auto': the sweep that chose the k
 
     def clusters(self) -> ClusterSummary:
@@ -151,15 +153,15 @@ def fit_checked(
     warm_start: Callable[[], np.ndarray | None] = lambda: None,
 ) -> Clustering:
     """fit() on an input that validated() has prepared. warm_start gives the centers to seed the server
-    step with (kernels.server_step's initial), called once the local step is done; the distributed server
+    step with (server_step.server_step's initial), called once the local step is done; the distributed server
     step does not take them.
 
-    The server step runs on the driver, or distributed (kfed_spark.distributed) as cfg.server_step
+    The server step runs on the driver, or distributed (kfed_spark.spark.distributed) as cfg.server_step
     says; unless it is "driver", the local centers are cached and counted, and "auto" picks by
     their number. Either way the driver ends up with every local center, for the labelling model:
     what leaves the driver with "distributed" is the merge, the server step's memory and work.
 
-    With k 'auto' the local centers come to the driver and the sweep over k_range (kfed_spark.k_sweep)
+    With k 'auto' the local centers come to the driver and the sweep over k_range (kfed_spark.core.k_sweep)
     chooses k before the server step; the sweep runs on the driver whatever server_step says."""
     valid = checked.filter(F.col(REASON_COL).isNull())
     with timer.stage("local_step"):
@@ -217,7 +219,7 @@ def fit_checked(
 
 
 def choose_k(local: LocalCenters | None, cfg: KFedConfig, timer: StageTimer) -> tuple[KFedConfig, KSweep | None]:
-    """With k 'auto', the sweep over k_range (kfed_spark.k_sweep) and the config with the k it recommends;
+    """With k 'auto', the sweep over k_range (kfed_spark.core.k_sweep) and the config with the k it recommends;
     else the config as it is and no sweep."""
     if cfg.k != "auto" or not len(local.counts):
         return cfg, None
@@ -239,7 +241,7 @@ def merged_on_driver(
 def merged_in_spark(
     frame: DataFrame, dim: int, params: AlgorithmParams
 ) -> tuple[LocalCenters, ServerClustering | None]:
-    """Alg. 2 with Spark doing the work (kfed_spark.distributed); then the local centers come to the
+    """Alg. 2 with Spark doing the work (kfed_spark.spark.distributed); then the local centers come to the
     driver with the global cluster each one took (None without any)."""
     if frame.isEmpty():
         return None, None
@@ -363,7 +365,7 @@ class LocalCenters:
         )
 
     def sweep(self, ks: list[int], params: AlgorithmParams) -> KSweep:
-        """The server step for every k of ks over these local centers, with its figures (kfed_spark.k_sweep)."""
+        """The server step for every k of ks over these local centers, with its figures (kfed_spark.core.k_sweep)."""
         if np.isnan(self.sse).any():
             raise KFedError("the k sweep needs every local center's SSE, which a private run's devices do not share")
         try:
@@ -410,7 +412,7 @@ def local_centers_frame(valid: DataFrame, cfg: KFedConfig, dim: int, device_type
         to_arrow_type(device_type),
         k_source="fixed" if fixed else "auto" if cfg.k_per_device == "auto" else "column",
         noise_key=None if cfg.privacy_epsilon is None else secrets.randbits(128),
-        task_fault=faults.task_fault(),
+        task_fault=fault_injection.task_fault(),
     )
     schema = StructType([StructField("device_id", device_type, False), *LOCAL_CENTER_FIELDS])
     rows = local_step_rows(valid, cfg)

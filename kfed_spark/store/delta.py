@@ -1,11 +1,11 @@
-"""All reads of the input and all Delta Lake reads and writes.
+"""All Delta Lake reads and writes of the output location.
 
 Only SQL and DataFrame reads and writes: no DeltaTable Python API, which Spark Connect lacks without
 Delta's Connect plugin on the server.
 
 What the tables hold (names, schemas, comments, partitioning, statistics columns, the published rule)
-is kfed_spark.tables; this module creates, checks, appends to and reads them, and defines the views
-readers go through (an attempt's rows count once the `runs` table publishes it: kfed_spark.attempts).
+is kfed_spark.store.tables; this module creates, checks, appends to and reads them, and defines the views
+readers go through (an attempt's rows count once the `runs` table publishes it: kfed_spark.store.ledger).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ArrayType, DataType, DoubleType, MapType, StructField, StructType, UserDefinedType
 
-from kfed_spark.config import TABLE_NAME_PATTERN, InputConfig, OutputConfig
-from kfed_spark.errors import AttemptConflict, InputError, KFedError, first_line
-from kfed_spark.tables import (
+from kfed_spark.config import OutputConfig
+from kfed_spark.errors import AttemptConflict, KFedError, first_line
+from kfed_spark.spark.input import URI_PATTERN, absolute
+from kfed_spark.store.tables import (
     DATA_TABLES,
     LATEST_ATTEMPT,
     PUBLISHED_ATTEMPTS,
@@ -47,8 +48,6 @@ from kfed_spark.tables import (
 log = logging.getLogger("kfed_spark")
 T = TypeVar("T")
 
-URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
-"""A scheme such as s3a:, file: or abfss: (anything else is a local path)."""
 REPORTS = "reports"
 """Folder under the output path holding reports/<run_id>/<attempt_id>/ for every attempt that wrote one."""
 WRITE_LOCKS = "_kfed_write_locks"
@@ -57,7 +56,6 @@ STATS_COLUMNS_PROPERTY = "delta.dataSkippingStatsColumns"
 """Delta's table property naming the columns whose min, max and null counts each file records.
 Delta's default, the first 32 columns, made every write of a wide table twice as slow."""
 
-CSV_DEFAULTS = {"header": "true", "inferSchema": "true"}
 LOG_ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint(?:\.\d+\.\d+)?\.parquet|crc)$")
 """A commit, checkpoint or checksum file of a Delta log, by version."""
 TRANSACTION_CONFLICT = "DELTA_CONCURRENT_TRANSACTION"
@@ -142,51 +140,6 @@ def sql_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def read_input(spark: SparkSession, inp: InputConfig, streaming: bool = False) -> DataFrame:
-    """The input table as a DataFrame (a streaming one that reads what arrives, with streaming), or an
-    InputError that says what is missing. A stream over files takes input.schema, else the schema
-    of the files already there."""
-    where = f"table {inp.table}" if inp.table else f"{inp.format} input {inp.path}"
-    reader = spark.readStream if streaming else spark.read
-    try:
-        if inp.table:
-            return resolved(reader.table(inp.table))
-        options = {**(CSV_DEFAULTS if inp.format == "csv" else {}), **inp.options}
-        schema = inp.schema
-        if streaming and schema is None and inp.format != "delta":
-            try:
-                schema = read_input(spark, inp).schema
-            except InputError:
-                raise InputError(
-                    f"cannot stream {where}: it holds no files to take the schema from yet; set input.schema"
-                ) from None
-        if schema is not None:
-            reader = reader.schema(schema)
-        return resolved(reader.format(inp.format).options(**options).load(inp.path))
-    except AnalysisException as exc:
-        raise InputError(f"cannot read {where}: {first_line(exc)}") from None
-
-
-def read_side_table(spark: SparkSession, name: str) -> DataFrame:
-    """A small table named by a setting: a catalog table, or a Delta (else Parquet) folder."""
-    try:
-        if TABLE_NAME_PATTERN.match(name) and spark.catalog.tableExists(name):
-            return resolved(spark.read.table(name))
-        try:
-            return resolved(spark.read.format("delta").load(absolute(name)))
-        except AnalysisException:
-            return resolved(spark.read.format("parquet").load(absolute(name)))
-    except AnalysisException as exc:
-        raise InputError(f"cannot read table {name}: {first_line(exc)}") from None
-
-
-def resolved(df: DataFrame) -> DataFrame:
-    """The DataFrame, analysed now: a classic session fails a missing path at load(), Spark Connect only
-    when the plan is first analysed, which would be outside the caller's error handling."""
-    df.schema
-    return df
-
-
 def _filesystem(path: str) -> tuple[pafs.FileSystem, str] | None:
     """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://) and the path in it;
     None for a scheme pyarrow does not know (s3a:, abfss:), where the checks that need it are skipped."""
@@ -194,12 +147,6 @@ def _filesystem(path: str) -> tuple[pafs.FileSystem, str] | None:
         return pafs.FileSystem.from_uri(path if URI_PATTERN.match(path) else "file://" + path)
     except Exception:  # pyarrow raises ArrowInvalid or ArrowNotImplementedError for unknown schemes
         return None
-
-
-def absolute(path: str) -> str:
-    """A local path made absolute (Delta's table builder takes a relative location for a table
-    name); a URI such as s3a://bucket/x or file:/x is returned unchanged."""
-    return path if URI_PATTERN.match(path) else os.path.abspath(path)
 
 
 def attempt_filter(run_id: str, attempt_id: str) -> str:

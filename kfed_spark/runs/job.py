@@ -1,12 +1,12 @@
 """The k-FED job's stages: check the input, fit or apply a model, write a run, publish it.
 
 run() is the job: validate (the location's checks and the runs rows read beside the input's) --> claim
-(the reference run's clusters read beside the local step) --> fit (kfed_spark.fitting) --> the clusters'
-ids (kfed_spark.identity) --> labels (one pass over the input, which also gathers the evaluation and
+(the reference run's clusters read beside the local step) --> fit (kfed_spark.spark.fitting) --> the clusters'
+ids (kfed_spark.core.identity) --> labels (one pass over the input, which also gathers the evaluation and
 the report's sample; the centers are written beside it) --> device profiles, cluster changes and
 quarantine (the report drawn beside them) --> publish (one commit of the attempt's runs row;
-kfed_spark.attempts). Delta I/O is in kfed_spark.io. `kfed-spark forget` (kfed_spark.forget) appends and
-publishes its attempts through write_attempt too.
+kfed_spark.store.ledger). Delta I/O is in kfed_spark.store.delta. `kfed-spark forget`
+(kfed_spark.runs.forget) appends and publishes its attempts through write_attempt too.
 """
 
 from __future__ import annotations
@@ -25,13 +25,26 @@ from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DoubleType, FloatType, StructField, StructType
 
-from kfed_spark import faults, report
-from kfed_spark.attempts import Attempt, Ledger, highest_cluster_id, new_attempt_id, reference_attempt
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
+from kfed_spark.core.evaluation import Evaluation, EvaluationSpec
+from kfed_spark.core.identity import (
+    ClusterSummary,
+    Matching,
+    ReferenceRun,
+    changes_table,
+    fresh_ids,
+    largest_share,
+    match_clusters,
+)
+from kfed_spark.core.k_sweep import KSweep
+from kfed_spark.core.metrics import ari_of
+from kfed_spark.core.server_step import ServerClustering
 from kfed_spark.errors import ConfigError, InputError, KFedError
-from kfed_spark.evaluation import Evaluation, EvaluationSpec
-from kfed_spark.failures import describe
-from kfed_spark.fitting import (
+from kfed_spark.runs import report
+from kfed_spark.runtime import fault_injection
+from kfed_spark.runtime.failures import describe
+from kfed_spark.spark.columns import labelled_fields
+from kfed_spark.spark.fitting import (
     REASON_COL,
     Clustering,
     LocalCenters,
@@ -41,32 +54,21 @@ from kfed_spark.fitting import (
     label_rows,
     validated,
 )
-from kfed_spark.identity import (
-    ClusterSummary,
-    Matching,
-    ReferenceRun,
-    changes_table,
-    fresh_ids,
-    largest_share,
-    match_clusters,
-)
-from kfed_spark.io import OutputTables, absolute, read_input, rows_frame
-from kfed_spark.k_sweep import KSweep
-from kfed_spark.kernels import ServerClustering
-from kfed_spark.metrics import ari_of
-from kfed_spark.models import StoredModel, finished_model, reference_run
-from kfed_spark.session import in_background
-from kfed_spark.tables import (
+from kfed_spark.spark.input import absolute, read_input
+from kfed_spark.spark.session import in_background
+from kfed_spark.spark.workers import EVALUATION_COL, SQ_DIST_COL
+from kfed_spark.store.delta import OutputTables, rows_frame
+from kfed_spark.store.ledger import Attempt, Ledger, highest_cluster_id, new_attempt_id, reference_attempt
+from kfed_spark.store.models import StoredModel, finished_model, reference_run
+from kfed_spark.store.tables import (
     CENTERS_COLUMNS,
     CENTERS_FIELDS,
     K_SWEEP_TYPE,
     TABLES,
     RunRecord,
-    labelled_fields,
     output_schemas,
     stats_columns,
 )
-from kfed_spark.workers import EVALUATION_COL, SQ_DIST_COL
 
 log = logging.getLogger("kfed_spark")
 
@@ -104,7 +106,7 @@ def run(
 
     Everything that can be checked is checked before anything is written. Then the attempt is
     recorded as running, its rows are appended to every table, and one commit of its `runs` row
-    publishes it (kfed_spark.attempts). A failure, or SIGTERM, records it as failed instead.
+    publishes it (kfed_spark.store.ledger). A failure, or SIGTERM, records it as failed instead.
 
     With parent_run_id (or model_path, a saved KFedModel), nothing is fitted: the input is labelled
     with that published run's model (its local and global centers), devices it has not seen are
@@ -140,18 +142,18 @@ def run(
             if parent is None and cfg.identity.mode == "stable"
             else None
         )
-        faults.point("checked")
+        fault_injection.point("checked")
         schemas = output_schemas(raw.schema, device_col)
         tables.prepare(schemas, stats_columns(device_col), checked_location)
         tables.register()
-        faults.point("created")
+        fault_injection.point("created")
     row = attempt_row(cfg, run_id, new_attempt_id(started_at), parent_run_id, started_at)
     with timer.stage("claim"):
         attempt, row = ledger.begin(row, known)
     # The reference run's clusters are read while the local step runs.
     reference_read = None if reference_row is None else in_background(reference_run, tables, reference_row)
     try:
-        faults.point("claimed")
+        fault_injection.point("claimed")
         highest = highest_cluster_id(known, run_id)
         if parent is None:
             clustering, (matching, summary, reference) = fit_with_ids(
@@ -196,17 +198,17 @@ def run(
             parent_run_id,
         )
         row = row.changed(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
-        faults.point("before_publish")
+        fault_injection.point("before_publish")
         with timer.stage("publish"):  # in the RunResult only: the runs row is what it commits
             runs_now = ledger.publish(attempt, row)
     except BaseException as exc:
         ledger.fail(row.changed(timings=dict(timer.seconds)), describe(exc) or f"{type(exc).__name__}: {exc}")
         raise
-    faults.point("published")
+    fault_injection.point("published")
     with timer.stage("supersede"):
         ledger.supersede_others(attempt, runs_now)
     if cfg.tracking.mlflow is not None:
-        from kfed_spark.tracking import track_attempt
+        from kfed_spark.runs.tracking import track_attempt
 
         track_attempt(cfg, row, tables, clustering)
     log.info(
@@ -245,7 +247,7 @@ def fit_with_ids(
 def cluster_identity(
     cfg: KFedConfig, clustering: Clustering, reference: ReferenceRun | None, next_id: int
 ) -> tuple[Matching, ClusterSummary]:
-    """The ids of a fitted run's clusters (kfed_spark.identity), and what matching knew of them: matched
+    """The ids of a fitted run's clusters (kfed_spark.core.identity), and what matching knew of them: matched
     to the reference run's with identity.mode stable, 0..k-1 with fresh; from next_id without a reference."""
     k = len(clustering.server.centers)
     summary = clustering.clusters()
@@ -320,7 +322,7 @@ def write_attempt(
         wait(writes)  # a commit landing after the failed attempt's rows are deleted would stay
         raise
     if cfg.report:
-        faults.point("report")
+        fault_injection.point("report")
     return result, row
 
 
@@ -374,7 +376,7 @@ def write_labels(
 
     Observations count the rows going into the labelling function and coming out of it (they must
     agree: no row lost), and collect what each partition gathered for the evaluation and the report
-    (kfed_spark.evaluation). Returns those figures and the labelled rows, for the quarantine.
+    (kfed_spark.core.evaluation). Returns those figures and the labelled rows, for the quarantine.
     """
     spec = EvaluationSpec.of(
         cfg.input.truth_col,
@@ -397,7 +399,7 @@ def write_labels(
         .select(*[F.col(f.name) for f in labelled_fields(raw_schema)], *attempt_columns(attempt))
     )
     tables.append({"labels": labels}, attempt.run_id, attempt.attempt_id)
-    faults.point("labels")
+    fault_injection.point("labels")
     n_input, out = int(read.get["rows"]), labelled_out.get
     n_quarantined = int(out["bad"])
     if n_input != int(out["rows"]):
@@ -442,7 +444,7 @@ def write_other_tables(
     quarantined: DataFrame | None,
 ) -> None:
     """Append the attempt's device profiles (device_clusters_table), its cluster changes (with identity.mode
-    stable; kfed_spark.identity.changes_table) and its quarantined rows (the input's columns and their
+    stable; kfed_spark.core.identity.changes_table) and its quarantined rows (the input's columns and their
     reason, in REASON_COL) if it has any."""
     tag = attempt_columns(attempt)
     spark = tables.spark
@@ -456,7 +458,7 @@ def write_other_tables(
             *schemas["quarantine"].names[:-2], *tag
         )
     tables.append(frames, attempt.run_id, attempt.attempt_id)
-    faults.point("tables")
+    fault_injection.point("tables")
 
 
 def device_clusters_table(evaluation: Evaluation, device_type: pa.DataType) -> pa.Table:

@@ -14,14 +14,16 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from kfed_spark.config import RUN_ID_PATTERN
+from kfed_spark.core.identity import ClusterSummary, ReferenceRun, largest_share
+from kfed_spark.core.k_sweep import KSweep
+from kfed_spark.core.labels import LabelModel
 from kfed_spark.errors import ConfigError, KFedError
-from kfed_spark.fitting import LocalCenters
-from kfed_spark.identity import ClusterSummary, ReferenceRun, largest_share
-from kfed_spark.io import OutputTables, absolute, concurrently
-from kfed_spark.k_sweep import KSweep
-from kfed_spark.kernels import LabelModel
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.tables import LATEST_ATTEMPT, LOCAL_CENTER_COLUMNS, PUBLISHED_ATTEMPTS, RunRecord
+from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
+from kfed_spark.spark.fitting import LocalCenters
+from kfed_spark.spark.input import absolute
+from kfed_spark.store.delta import OutputTables, concurrently
+from kfed_spark.store.tables import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, RunRecord
 
 SAVED_MODEL_ORIGIN = "model:"
 """A saved KFedModel's origin (and a run's parent_run_id when it took one) is this, then the folder."""
@@ -81,7 +83,7 @@ class StoredModel:
         )
 
     def sweep(self, ks: list[int], params: AlgorithmParams | None = None) -> KSweep:
-        """The k sweep over the model's local centers (kfed_spark.k_sweep), with params or the run's own."""
+        """The k sweep over the model's local centers (kfed_spark.core.k_sweep), with params or the run's own."""
         params = params or AlgorithmParams.of_config(self.config or {})
         return LocalCenters.from_arrow(self.local, self.dim).sweep(ks, params)
 

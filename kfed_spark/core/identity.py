@@ -25,7 +25,7 @@ import pandas as pd
 import pyarrow as pa
 from scipy.optimize import linear_sum_assignment
 
-from kfed_spark.kernels import between_sse, squared_distances
+from kfed_spark.core.linalg import between_sse, squared_distances
 
 MATCH_SPREADS = 1.0
 """A cluster whose center moved more than this many times its rows' root-mean-square distance to the
@@ -57,7 +57,7 @@ class ClusterSummary:
     ) -> "ClusterSummary":
         """From a run's global centers and its local centers (each with its position in `centers`):
         a cluster's SSE is its local centers' SSEs plus each one's count times its squared distance to
-        the global center (kernels.between_sse)."""
+        the global center (linalg.between_sse)."""
         k = len(centers)
         within = np.nan_to_num(local_sse)  # a private device shares no SSE: its spread is its centers' alone
         sse = np.bincount(

@@ -1,6 +1,6 @@
 """The run report: figures a person looks at, as report.json, a self-contained report.html and text.
 
-Everything here works on numpy arrays and dicts already on the driver; the job (kfed_spark.job) gathers them.
+Everything here works on numpy arrays and dicts already on the driver; the job (kfed_spark.runs.job) gathers them.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kfed_spark.k_sweep import KSweep
-from kfed_spark.kernels import nearest_center
-from kfed_spark.metrics import ari_of, clusters_in_effect, matched_accuracy_of, nmi_of, silhouette
+from kfed_spark.core.k_sweep import KSweep
+from kfed_spark.core.linalg import nearest_center
+from kfed_spark.core.metrics import ari_of, clusters_in_effect, matched_accuracy_of, nmi_of, silhouette
 
 SILHOUETTE_SAMPLE_ROWS = 2000
 """Rows (a seeded sample) the silhouette is computed on: it needs all their pairwise distances."""

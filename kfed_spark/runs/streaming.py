@@ -7,7 +7,7 @@ micro-batch to stream_labels and its bad rows to stream_quarantine. Each append 
 idempotent-write marker (txnAppId of the query's checkpoint, txnVersion = the batch id): a batch
 that Spark replays from the checkpoint after a crash is skipped by every table that has it already.
 
-A row of a device the model has not seen takes the nearest global center (kernels.LabelModel,
+A row of a device the model has not seen takes the nearest global center (labels.LabelModel,
 label_unseen): its label depends on that row alone, not on which rows of its device came in the
 same micro-batch, so replays and any trigger give the same labels. new_device marks those rows.
 """
@@ -26,12 +26,13 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from kfed_spark import faults
 from kfed_spark.config import KFedConfig
-from kfed_spark.fitting import REASON_COL, labelled_plan
-from kfed_spark.io import OutputTables, absolute, read_input
-from kfed_spark.models import StoredModel
-from kfed_spark.tables import STREAM_TABLES, stream_schemas, stream_stats_columns
+from kfed_spark.runtime import fault_injection
+from kfed_spark.spark.fitting import REASON_COL, labelled_plan
+from kfed_spark.spark.input import absolute, read_input
+from kfed_spark.store.delta import OutputTables
+from kfed_spark.store.models import StoredModel
+from kfed_spark.store.tables import STREAM_TABLES, stream_schemas, stream_stats_columns
 
 log = logging.getLogger("kfed_spark")
 
@@ -158,7 +159,7 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
             OutputTables(batch.sparkSession, cfg.output, locations(cfg)).append_batch(
                 frames, app_id, batch_id, f"kfed-spark stream {app_id} {tag} batch {batch_id}"
             )
-            faults.point("stream_batch")
+            fault_injection.point("stream_batch")
         finally:
             tagged.unpersist()
         log.info(

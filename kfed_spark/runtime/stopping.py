@@ -6,7 +6,10 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 T = TypeVar("T")
 
@@ -21,6 +24,21 @@ INTERRUPT_WAIT_SECONDS = 5.0
 """How long a SIGTERM waits for the interrupt of the session's Spark work before the run records its failure."""
 LOG_SETTLE_SECONDS = 0.5
 """How long the error line waits, once Spark's log is off, for log lines the JVM was already writing."""
+
+
+_last_built: list[SparkSession] = []
+"""The session to interrupt on SIGTERM: kfed_spark.spark.session.build_session remembers each it builds."""
+
+
+def last_built_session() -> SparkSession | None:
+    """The session build_session last remembered, found without a call into the JVM: a SIGTERM handler
+    runs in the main thread, which may be inside a py4j call whose connection must not carry another."""
+    return _last_built[-1] if _last_built else None
+
+
+def remember_session(spark: SparkSession) -> None:
+    """Make `spark` the session a SIGTERM interrupts."""
+    _last_built[:] = [spark]
 
 
 class StopRequest(threading.Event):
@@ -75,8 +93,6 @@ def stop_on_sigterm(message: str = STOPPED) -> None:
     """
 
     def handler(signum, frame):
-        from kfed_spark.session import last_built_session
-
         STOP_REQUESTED.set()
         spark = last_built_session()
         if spark is not None:
@@ -99,8 +115,6 @@ def silence_spark_after_stop(timeout: float = 5.0) -> None:
     line. The session is not stopped: its interrupted tasks may hang, and the process is exiting anyway.
     A Spark Connect client has no JVM log here. Bounded by `timeout`, from a thread of its own."""
     from pyspark.sql import SparkSession
-
-    from kfed_spark.session import last_built_session
 
     spark = last_built_session()
     if isinstance(spark, SparkSession):

@@ -1,7 +1,7 @@
 """`kfed-spark forget`: take devices back out of the published runs that hold them (an erasure request).
 
 For each run that holds rows or centers of the devices, a new attempt of its run id is published the
-way `run` publishes one (kfed_spark.attempts: claimed, its rows appended, one commit of its runs row),
+way `run` publishes one (kfed_spark.store.ledger: claimed, its rows appended, one commit of its runs row),
 so that readers see the earlier attempt whole until that commit and the new one whole after it. The
 new attempt is what a run over the input without those devices gives, without reading the input:
 - no local step: alg. 1 on a device depends on its own rows, the run seed and its id only, so every
@@ -12,7 +12,7 @@ new attempt is what a run over the input without those devices gives, without re
   features give its local cluster, global cluster, distance and margin), the pass that also gathers
   the device profiles and the report;
 - the quarantine copied without the devices' rows;
-- the clusters keep the earlier attempt's ids where they match its clusters (kfed_spark.identity), and
+- the clusters keep the earlier attempt's ids where they match its clusters (kfed_spark.core.identity), and
   cluster_changes relates them to the reference run's published attempt as it is now.
 A published forget attempt keeps its run's start and finish times, so the newest run stays the newest.
 The earlier attempts are then superseded and their rows and report files deleted (a tidy-up); their
@@ -35,21 +35,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
-from kfed_spark import faults
-from kfed_spark.attempts import Ledger, new_attempt_id, published_attempts
 from kfed_spark.config import KFedConfig, build_config
-from kfed_spark.errors import ConfigError, KFedError
-from kfed_spark.failures import describe
-from kfed_spark.fitting import (
-    REASON_COL,
-    Clustering,
-    LocalCenters,
-    StageTimer,
-    choose_k,
-    merged_on_driver,
-    validated,
-)
-from kfed_spark.identity import (
+from kfed_spark.core.identity import (
     ClusterSummary,
     ReferenceRun,
     changes_table,
@@ -58,12 +45,26 @@ from kfed_spark.identity import (
     match_clusters,
     matching_by_ids,
 )
-from kfed_spark.io import OutputTables, attempt_filter, concurrently
-from kfed_spark.job import LabelledRows, k_sweep_column, package_versions, write_attempt
-from kfed_spark.kernels import ServerClustering
-from kfed_spark.models import SAVED_MODEL_ORIGIN, StoredModel, attempt_model, finished_model, reference_run
+from kfed_spark.core.server_step import ServerClustering
+from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.tables import ADDED_COLUMNS, RunRecord, output_schemas, stats_columns
+from kfed_spark.runs.job import LabelledRows, k_sweep_column, package_versions, write_attempt
+from kfed_spark.runtime import fault_injection
+from kfed_spark.runtime.failures import describe
+from kfed_spark.spark.columns import ADDED_COLUMNS
+from kfed_spark.spark.fitting import (
+    REASON_COL,
+    Clustering,
+    LocalCenters,
+    StageTimer,
+    choose_k,
+    merged_on_driver,
+    validated,
+)
+from kfed_spark.store.delta import OutputTables, attempt_filter, concurrently
+from kfed_spark.store.ledger import Ledger, new_attempt_id, published_attempts
+from kfed_spark.store.models import SAVED_MODEL_ORIGIN, StoredModel, attempt_model, finished_model, reference_run
+from kfed_spark.store.tables import RunRecord, output_schemas, stats_columns
 
 log = logging.getLogger("kfed_spark")
 
@@ -235,7 +236,7 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
         schemas = output_schemas(raw.schema, device_col)
         tables.prepare(schemas, stats_columns(device_col), tables.check(schemas))
         tables.register()
-        faults.point("created")
+        fault_injection.point("created")
     if row.parent_run_id is not None:  # no server step: the model it takes
         local, server, ids = with_parent_model(tables, row, local, devices)
         model = local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True, cluster_ids=ids)
@@ -317,7 +318,7 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
     with timer.stage("claim"):
         attempt, new_row = ledger.begin(new_row)
     try:
-        faults.point("claimed")
+        fault_injection.point("claimed")
         quarantine = tables.read("quarantine").filter(attempt_filter(run_id, row.attempt_id))
         quarantined = quarantine.filter(without(devices, cfg.input.device_col)).drop("run_id", "attempt_id")
         result, new_row = write_attempt(
@@ -341,13 +342,13 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
             started_at=row.started_at,
             finished_at=row.finished_at,
         )
-        faults.point("before_publish")
+        fault_injection.point("before_publish")
         with timer.stage("publish"):
             runs_now = ledger.publish(attempt, new_row)
     except BaseException as exc:
         ledger.fail(new_row.changed(timings=dict(timer.seconds)), describe(exc) or f"{type(exc).__name__}: {exc}")
         raise
-    faults.point("published")
+    fault_injection.point("published")
     ledger.supersede_others(attempt, runs_now)
     log.info("run %s: attempt %s published without %d device(s)", run_id, attempt.attempt_id, len(devices))
     return Forgotten(

@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 
 from kfed_spark.errors import KFedError, first_line
-from kfed_spark.stopping import STOP_REQUESTED, Terminated
+from kfed_spark.runtime.packaging import delta_package
+from kfed_spark.runtime.stopping import STOP_REQUESTED, Terminated
 
 
 def describe(exc: BaseException) -> str | None:
@@ -32,8 +33,6 @@ def describe(exc: BaseException) -> str | None:
         return f"Spark failed: a Python worker raised {raised}"
     text = first_line(Exception(full))
     if "delta" in text.lower() and ("ClassNotFoundException" in text or "find" in text.lower()):
-        from kfed_spark.session import delta_package
-
         package = delta_package() or "io.delta:delta-spark_<spark>_2.13:<delta>"
         return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {package}"
     return f"Spark failed: {text}"

@@ -123,7 +123,7 @@ def save_pyfunc_model(path: Path, clustering, label_mode: str) -> None:
             signature = infer_signature(example, model.predict(example))
         mlflow.pyfunc.save_model(
             str(path),
-            loader_module="kfed_spark.tracking",
+            loader_module="kfed_spark.runs.tracking",
             data_path=str(data),
             signature=signature,
             input_example=example,
@@ -136,7 +136,7 @@ class KFedPyfunc:
     returns their cluster ids, with numpy alone (a device the model has not seen: the nearest global center)."""
 
     def __init__(self, data_path: str):
-        from kfed_spark.fitting import LocalCenters
+        from kfed_spark.spark.fitting import LocalCenters
 
         folder = Path(data_path)
         settings = json.loads((folder / SETTINGS_FILE).read_text())
@@ -155,5 +155,5 @@ class KFedPyfunc:
 
 
 def _load_pyfunc(data_path: str) -> KFedPyfunc:
-    """MLflow's entry point for a model saved with loader_module=kfed_spark.tracking."""
+    """MLflow's entry point for a model saved with loader_module=kfed_spark.runs.tracking."""
     return KFedPyfunc(data_path)

@@ -1,8 +1,8 @@
 """The server step (alg. 2) with Spark doing the work, for more local centers than a driver holds.
 
 Each partition of the local centers reduces its (eligible) centers to weighted representatives
-(kernels.representatives, in workers.representatives_from_batches); the driver merges only those
-with kernels.server_step and the configured seeding and refinement; then every local center takes
+(server_step.representatives, in workers.representatives_from_batches); the driver merges only those
+with server_step.server_step and the configured seeding and refinement; then every local center takes
 the nearest global center in the executors, the k global centers shipped with the function. The
 driver holds O(partitions x server_representatives x k) representatives, never the local centers.
 """
@@ -16,9 +16,9 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, IntegerType, StructField, StructType
 
-from kfed_spark.kernels import ServerClustering, server_step
+from kfed_spark.core.server_step import ServerClustering, server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.workers import cluster_batches, feature_matrix, representatives_from_batches
+from kfed_spark.spark.workers import cluster_batches, feature_matrix, representatives_from_batches
 
 REPRESENTATIVE_SCHEMA = StructType(
     [

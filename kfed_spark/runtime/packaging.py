@@ -32,7 +32,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from importlib.metadata import requires, version
+from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
 
 from kfed_spark.errors import KFedError
@@ -68,7 +68,7 @@ def runtime_requirements() -> list[str]:
 
 def write_package_zip(target: Path) -> Path:
     """The kfed_spark package's modules, as `--py-files` wants them."""
-    source = Path(__file__).resolve().parent
+    source = Path(__file__).resolve().parent.parent
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
         for module in sorted(source.rglob("*.py")):
             archive.write(module, f"kfed_spark/{module.relative_to(source).as_posix()}")
@@ -146,3 +146,17 @@ def run(command: list[str]) -> None:
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise KFedError(f"packaging failed: {Path(command[0]).name} exited {result.returncode}: {tail[0]}")
+
+
+def delta_package() -> str | None:
+    """The Maven coordinate of the Delta jar matching the installed pyspark and delta-spark,
+    for `spark-submit --packages` (the same rule configure_spark_with_delta_pip follows); None where
+    delta-spark is not installed (a packed environment on a cluster)."""
+    import pyspark
+
+    try:
+        delta = version("delta-spark")
+    except PackageNotFoundError:
+        return None
+    spark_minor = ".".join(pyspark.__version__.split(".")[:2])
+    return f"io.delta:delta-spark_{spark_minor}_2.13:{delta}"

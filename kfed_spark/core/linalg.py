@@ -1,0 +1,279 @@
+"""Linear algebra and seeded draws that every k-FED kernel shares: numpy, no Spark.
+
+Squared distances are computed as |x|^2 - 2 x.c + |c|^2 (one matrix product), whose rounding error
+grows with the rows' distance from the origin, not with their spread: at 1e9 from the origin it
+swamps distances of 1. So every kernel first moves its rows near the origin (by their mean, or the
+centers' mean) and moves its centers back at the end; every cut-off is then relative to the rows'
+spread, and shifting or scaling the features changes no label.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+RANDOMIZED_SVD_MIN_DIM = 512
+"""Devices with at least this many features use a seeded randomized SVD instead of an exact one."""
+
+
+DUPLICATE_TOLERANCE = 1e-12
+"""Squared distances below this fraction of the largest squared distance from the rows' mean are
+rounding residue of equal rows, not distance."""
+
+
+DISTANCE_CHUNK_ELEMENTS = 1 << 22
+"""Distance matrices are built in row chunks of at most this many entries (32 MiB of float64)."""
+
+
+def device_rng(seed: int, device_id: object) -> np.random.Generator:
+    """A generator seeded from (run seed, device id) alone, so partitioning and retries do not matter."""
+    return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, *_device_words(device_id)])
+
+
+def noise_rng(noise_key: int, device_id: object) -> np.random.Generator:
+    """The generator of a device's privacy noise: seeded from (the run's secret 128-bit noise key, device id).
+
+    The one draw not seeded from the run seed: the seed is published in the runs table, and noise
+    anyone can draw again is noise anyone can subtract."""
+    key_words = [(noise_key >> shift) & 0xFFFFFFFF for shift in range(0, 128, 32)]
+    return np.random.default_rng([*key_words, *_device_words(device_id)])
+
+
+def _device_words(device_id: object) -> tuple[int, int]:
+    """A device id as (tag, 64-bit key): integers as themselves, anything else by a hash of its text."""
+    if isinstance(device_id, (int, np.integer)):
+        return 0, int(device_id) & 0xFFFFFFFFFFFFFFFF
+    digest = hashlib.blake2b(str(device_id).encode("utf-8"), digest_size=8).digest()
+    return 1, int.from_bytes(digest, "little")
+
+
+def plain(value: object) -> object:
+    """A numpy scalar as the Python value it holds (for messages and results); others unchanged."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def centered(x: np.ndarray, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(x minus its (weighted) mean, the mean): rows near the origin, whose expanded squared distances
+    are accurate to their spread (see the module's docstring)."""
+    origin = x.mean(axis=0) if weights is None else (weights @ x) / weights.sum()
+    return x - origin, origin
+
+
+def distinct_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of x in lexicographic order, and how often each occurs: what
+    np.unique(x, axis=0, return_counts=True) returns, a tenth of its time on continuous features.
+
+    Rows are sorted by their first value; only runs of rows that tie on it are sorted by all their
+    values (where most rows tie, as on images whose first pixel is always 0, np.unique does it).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if len(x) == 0:
+        return x, np.zeros(0, dtype=np.int64)
+    ordered = x[np.argsort(x[:, 0], kind="stable")]
+    tied = ordered[1:, 0] == ordered[:-1, 0]
+    if np.count_nonzero(tied) > len(x) // 2:
+        return np.unique(x, axis=0, return_counts=True)
+    if tied.any():
+        in_run = np.zeros(len(x), dtype=bool)
+        in_run[1:] |= tied
+        in_run[:-1] |= tied
+        run = np.cumsum(np.concatenate([[True], ~tied]))
+        rows = np.flatnonzero(in_run)
+        ordered[rows] = ordered[rows[np.lexsort((*ordered[rows, ::-1].T, run[rows]))]]  # last key first
+    starts = np.flatnonzero(np.concatenate([[True], np.any(ordered[1:] != ordered[:-1], axis=1)]))
+    return ordered[starts], np.diff(np.append(starts, len(x)))
+
+
+def squared_distances(
+    x: np.ndarray, centers: np.ndarray, x_sq: np.ndarray | None = None, c_sq: np.ndarray | None = None
+) -> np.ndarray:
+    """(n, k) squared Euclidean distances as |x|^2 - 2 x.c + |c|^2 (one matrix product), clipped at 0.
+
+    Accurate to the rows' spread only for rows near the origin: callers pass centered() rows.
+    x_sq and c_sq are the rows' squared norms, if the caller already has them.
+    """
+    x_sq = np.einsum("ij,ij->i", x, x) if x_sq is None else x_sq
+    c_sq = np.einsum("ij,ij->i", centers, centers) if c_sq is None else c_sq
+    dist = x @ centers.T
+    dist *= -2.0
+    dist += x_sq[:, None]
+    dist += c_sq[None, :]
+    np.maximum(dist, 0.0, out=dist)
+    return dist
+
+
+def nearest_center(x: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of and squared distance to the nearest center for every row, in bounded-memory chunks.
+
+    Rows and centers are first moved by the centers' mean, so that the result is as accurate far
+    from the origin as near it.
+    """
+    centers, origin = centered(centers)
+    x = x - origin
+    return nearest_with_norms(x, np.einsum("ij,ij->i", x, x), centers)
+
+
+def nearest_with_norms(x: np.ndarray, x_sq: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """nearest_center of rows x that are already near the origin, given their squared norms x_sq;
+    centers may have a leading axis of restarts, (r, k, d), and so then do the results, (r, n)."""
+    transposed = np.swapaxes(centers, -1, -2)
+    c_sq = np.einsum("...kd,...kd->...k", centers, centers)[..., None, :]
+    step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, centers.shape[-2] * (centers.shape[0] if centers.ndim == 3 else 1)))
+    parts = []
+    for start in range(0, max(1, len(x)), step):  # one (empty) chunk for no rows
+        # |c|^2 - 2 x.c orders the centers as the squared distance does; |x|^2 is added to the winner only.
+        partial = x[start : start + step] @ transposed
+        partial *= -2.0
+        partial += c_sq
+        parts.append((np.argmin(partial, axis=-1), np.min(partial, axis=-1) + x_sq[start : start + step]))
+    if len(parts) == 1:
+        nearest, best = parts[0]
+    else:
+        nearest, best = (np.concatenate([part[i] for part in parts], axis=-1) for i in (0, 1))
+    return nearest, np.maximum(best, 0.0, out=best)
+
+
+def weighted_means(x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-label weighted sums divided by per-label weights; also returns the weights (0 for empty)."""
+    sums, mass = weighted_sums(x, weights, labels, k)
+    means = np.divide(sums, mass[:, None], out=np.zeros_like(sums), where=mass[:, None] > 0)
+    return means, mass
+
+
+def weighted_sums(x: np.ndarray, weights: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-label weighted sums of the rows, and per-label weights.
+
+    The sums are matrix products with the (k, rows) matrix of the rows' weights by label, in row
+    chunks of bounded size: a few numpy calls where a device has few rows.
+    """
+    mass = np.bincount(labels, weights=weights, minlength=k)
+    sums = np.zeros((k, x.shape[1]))
+    step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, k))
+    for start in range(0, len(x), step):
+        chunk = slice(start, start + step)
+        by_label = np.zeros((k, len(x[chunk])))
+        by_label[labels[chunk], np.arange(len(by_label[0]))] = weights[chunk]
+        sums += by_label @ x[chunk]
+    return sums, mass
+
+
+def kmeans_plusplus(x: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Greedy k-means++ seeding over weighted rows; returns the chosen row indices.
+
+    Each step draws 2 + log(k) candidates with probability proportional to weight times squared
+    distance and keeps the one that lowers the potential most (Arthur and Vassilvitskii 2007,
+    as scikit-learn does): single-draw k-means++ often puts two seeds in one cluster.
+    """
+    trials = 2 + int(np.log(k))
+    x, _ = centered(x, weights)
+    norms = np.einsum("ij,ij->i", x, x)
+    # Squared distances up to this are rounding residue of equal rows: once every row is that close
+    # to a seed, the distinct rows have run out.
+    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
+    chosen = [_draw(np.cumsum(weights), rng, 1)[0]]
+    closest = squared_distances(x[chosen], x, norms[chosen], norms)[0]
+    for _ in range(1, k):
+        if np.max(closest) <= duplicate_below:
+            break
+        candidates = _draw(np.cumsum(weights * closest), rng, trials)
+        candidate_closest = np.minimum(closest[None, :], squared_distances(x[candidates], x, norms[candidates], norms))
+        best = int(np.argmin(candidate_closest @ weights))
+        chosen.append(int(candidates[best]))
+        closest = candidate_closest[best]
+    return np.asarray(chosen, dtype=np.int64)
+
+
+def _draw(cumulative: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
+    """Indices drawn with probability proportional to the increments of cumulative."""
+    picks = np.searchsorted(cumulative, rng.random(size) * cumulative[-1], side="right")
+    return np.minimum(picks, len(cumulative) - 1)
+
+
+def lloyd(
+    x: np.ndarray,
+    weights: np.ndarray,
+    centers: np.ndarray,
+    max_iter: int,
+    tol: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Weighted Lloyd from the given centers until assignments stop changing.
+
+    Also stops after max_iter rounds or once no center moves more than tol (squared, relative
+    to the data's total variance, so that shifting the data does not change when it stops, as
+    scikit-learn scales its tol). An emptied cluster keeps its previous center. The means are
+    taken of centered() rows, so that they are as accurate far from the origin as near it.
+    Returns (centers, each row's label and squared distance under them, rounds run).
+    """
+    k = len(centers)
+    x, origin = centered(x, weights)
+    centers = np.asarray(centers, dtype=np.float64) - origin
+    x_sq = np.einsum("ij,ij->i", x, x)
+    scale = float(weights @ x_sq / weights.sum()) or 1.0
+    labels, sq_dist = nearest_with_norms(x, x_sq, centers)
+    rounds = 0
+    while rounds < max_iter:
+        rounds += 1
+        means, mass = weighted_means(x, weights, labels, k)
+        moved = mass > 0
+        shift = float(np.max(np.sum((means[moved] - centers[moved]) ** 2, axis=1), initial=0.0))
+        centers[moved] = means[moved]
+        new_labels, sq_dist = nearest_with_norms(x, x_sq, centers)
+        unchanged = np.array_equal(new_labels, labels)
+        labels = new_labels
+        if unchanged or shift <= tol * scale:
+            break
+    return centers + origin, labels, sq_dist, rounds
+
+
+def top_right_singular_vectors(x: np.ndarray, weights: np.ndarray, rank: int, rng: np.random.Generator) -> np.ndarray:
+    """(rank, d) top right singular vectors of the weighted rows sqrt(w) * x.
+
+    Below RANDOMIZED_SVD_MIN_DIM features they are the top eigenvectors of the (d, d) Gram matrix
+    (a device is a tall, thin matrix: a quarter of an SVD's time at 500 x 32), or the SVD itself
+    when the device has fewer rows than features.
+    """
+    a = x * np.sqrt(weights)[:, None]
+    if x.shape[1] < RANDOMIZED_SVD_MIN_DIM:
+        if len(a) < a.shape[1]:
+            return np.linalg.svd(a, full_matrices=False)[2][:rank]
+        vectors = np.linalg.eigh(a.T @ a)[1]  # eigenvalues in ascending order
+        return vectors[:, ::-1][:, :rank].T
+    # Randomized range finder (Halko, Martinsson and Tropp 2011) with two power iterations.
+    sketch = a @ rng.standard_normal((x.shape[1], min(x.shape[1], rank + 10)))
+    for _ in range(2):
+        sketch = a @ (a.T @ np.linalg.qr(sketch)[0])
+    basis = np.linalg.qr(sketch)[0]
+    return np.linalg.svd(basis.T @ a, full_matrices=False)[2][:rank]
+
+
+COST_TIE = 1e-9
+"""Restarts whose costs differ by less than this fraction are ties: rounding must not pick the winner."""
+
+
+def lowest_cost(costs: list[float]) -> int:
+    """The first of the restarts whose cost is within COST_TIE of the lowest.
+
+    Restarts that end in one clustering (in another order) have costs equal up to rounding, and
+    rounding depends on where the origin is; the first of them wins, so a shifted or scaled table
+    keeps the same ids.
+    """
+    lowest = min(costs)
+    return next(i for i, cost in enumerate(costs) if cost <= lowest + COST_TIE * abs(lowest))
+
+
+def between_sse(
+    local_centers: np.ndarray, local_counts: np.ndarray, centers: np.ndarray, assignment: np.ndarray
+) -> np.ndarray:
+    """Each local center's count times its squared distance to its global center (centers[assignment]):
+    with the local centers' own SSEs, the exact within-cluster SSE of the rows they stand for."""
+    gap = np.asarray(local_centers, dtype=np.float64) - np.asarray(centers, dtype=np.float64)[assignment]
+    return np.asarray(local_counts, dtype=np.float64) * np.einsum("ij,ij->i", gap, gap)
+
+
+def too_few_distinct(k: int, distinct: int) -> ValueError:
+    """The error of a server step asked for more clusters than there are distinct local centers."""
+    return ValueError(
+        f"k = {k} is more than the {distinct} distinct local centers the devices share; lower k, raise k_per_device "
+        "or lower min_center_points"
+    )

@@ -1,0 +1,100 @@
+"""k-FED in one process over a whole table in memory: the reference the Spark job is tested against,
+and the benchmarks' no-Spark floor.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+from kfed_spark.core.labels import LabelModel
+from kfed_spark.core.linalg import plain
+from kfed_spark.core.local_step import device_local_step, estimate_local_k, shared_centers
+from kfed_spark.core.server_step import ServerClustering, server_step
+from kfed_spark.params import DEFAULTS, AlgorithmParams
+
+LABEL_CHUNK_ROWS = 1 << 16
+"""federated_kmeans labels this many rows at a time, as a worker labels one Arrow batch."""
+
+
+@dataclass(frozen=True)
+class FederatedClustering:
+    """k-FED over all devices in one process: per-row labels plus what the Spark job also reports."""
+
+    labels: np.ndarray  # (n,) global cluster per row
+    local_labels: np.ndarray  # (n,) local cluster per row, within its device
+    server: ServerClustering
+    local_counts: np.ndarray  # (m,) points per local center
+    local_devices: np.ndarray  # (m,) device of each local center
+
+
+@dataclass(frozen=True)
+class DeviceClusterings:
+    """Alg. 1's output for every device, in device order: what the server step takes."""
+
+    devices: np.ndarray  # (m,) device of each local center
+    local_ids: np.ndarray  # (m,) position of each local center within its device
+    centers: np.ndarray  # (m, d)
+    counts: np.ndarray  # (m,)
+    sse: np.ndarray  # (m,)
+
+
+def local_clusterings(
+    x: np.ndarray, devices: np.ndarray, params: AlgorithmParams = DEFAULTS, noise_key: int | None = None
+) -> DeviceClusterings:
+    """Alg. 1 on every device's rows, with params' k_per_device (a number or "auto": each device's
+    estimate_local_k, at most min(largest_k, k_per_device_max)), local_restarts, max_iter, tol and seed;
+    with privacy_epsilon set, the private local step with noise from noise_key (or a fresh one)."""
+    if params.privacy_epsilon is not None and noise_key is None:
+        noise_key = secrets.randbits(128)
+    order = np.argsort(devices, kind="stable")
+    keys, starts = np.unique(devices[order], return_index=True)
+    ends = np.append(starts[1:], len(order))
+    results = []
+    for key, s, e in zip(keys, starts, ends):
+        rows = x[order[s:e]]
+        k_z = (
+            estimate_local_k(rows, min(params.largest_k, params.k_per_device_max))
+            if params.k_per_device == "auto"
+            else params.k_per_device
+        )
+        found = device_local_step(rows, k_z, plain(key), params, noise_key)
+        results.append(shared_centers(found, params.min_center_points))
+    per_device = np.array([len(r.counts) for r in results])
+    return DeviceClusterings(
+        np.repeat(keys, per_device),
+        np.concatenate([np.arange(m) for m in per_device]),
+        np.concatenate([r.centers for r in results]),
+        np.concatenate([r.counts for r in results]),
+        np.concatenate([r.sse for r in results]),
+    )
+
+
+def federated_kmeans(
+    x: np.ndarray,
+    devices: np.ndarray,
+    params: AlgorithmParams = DEFAULTS,
+    local: DeviceClusterings | None = None,
+    initial: np.ndarray | None = None,
+) -> FederatedClustering:
+    """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
+
+    max_rows_per_device does not apply (every row is clustered). local, if given, is
+    local_clusterings of the same rows with the same local parameters (a benchmark comparing
+    server settings computes it once); initial, the centers to warm-start the server step from. It is
+    the single-process floor of the benchmark and the
+    reference the Spark job is tested against.
+    """
+    local = local or local_clusterings(x, devices, params)
+    server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
+    model = LabelModel.build(  # a device whose every local center was too small to share: as an unseen one
+        local.devices, local.local_ids, local.centers, server.assignment, server.centers, params.label_mode, True
+    )
+    local_labels = np.empty(len(x), dtype=np.int64)
+    labels = np.empty(len(x), dtype=np.int64)
+    for start in range(0, len(x), LABEL_CHUNK_ROWS):
+        chunk = slice(start, start + LABEL_CHUNK_ROWS)
+        local_labels[chunk], labels[chunk], _, _ = model.label(devices[chunk], x[chunk])
+    return FederatedClustering(labels, local_labels, server, local.counts, local.devices)
