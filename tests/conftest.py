@@ -194,7 +194,7 @@ SESSION_JVM_OPTIONS = (
 )
 """The session's JVM lives as long as its worker: after SHORT_JVM_OPTIONS it compiles with C2 again (C1 alone
 took 20% longer), but only code run four times as often as Java's defaults ask before C2 takes it: alone in
-one process, test_forget.py, test_identity.py and test_io.py took 181-187 JVM CPU-seconds so against 206-209
+one process, test_forget.py, test_identity.py and test_delta.py took 181-187 JVM CPU-seconds so against 206-209
 at the defaults (three runs each, interleaved; the whole machine 217-223 against 242-246), 189 at twice the
 defaults, 191 at ten times and 238 with C1 alone. It collects with the throughput collector rather than the
 serial one or G1, whose concurrent marking of a heap that Delta's snapshot cache keeps growing cost CPU the

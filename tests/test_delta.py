@@ -141,7 +141,7 @@ def test_every_column_of_every_table_is_nullable_at_every_depth(published_run):
 
 
 def test_a_runs_row_reaches_spark_whole_and_without_a_python_task(spark, published_run):
-    """io.rows_frame, which writes every runs row: a record as read back from the runs table (its datetimes
+    """delta.rows_frame, which writes every runs row: a record as read back from the runs table (its datetimes
     naive, as Spark returns them), with a k sweep's structs added, makes a frame that holds it whole, built on the
     driver: a frame from a Python list would be an RDD whose every pass starts Python tasks."""
     (row,) = runs_of(spark, published_run[1])
