@@ -160,27 +160,36 @@ def test_k_auto_and_a_sweep_of_a_fitted_model(spark, mixture_path, tmp_path):
     kfed.write().overwrite().save(str(tmp_path / "estimator"))
     assert (KFed.load(str(tmp_path / "estimator")).getK(), KFed.load(str(tmp_path / "estimator")).getKRange()) == (
         "auto",
-        (3, 20),
+        [3, 20],
     )
 
 
 @pytest.mark.fast
 def test_the_params_are_declared_as_the_parameter_table_generates_them():
-    """estimator.py's GENERATED blocks are what kfed_spark.params_codegen writes from kfed_spark.params:
-    after a change to the table, `python -m kfed_spark.params_codegen` rewrites them."""
+    """estimator_params.py is what kfed_spark.params_codegen writes from kfed_spark.params: after a change
+    to the table, `python -m kfed_spark.params_codegen` rewrites it."""
     from dataclasses import fields
 
     from kfed_spark.params import ESTIMATOR_COLUMNS, AlgorithmParams, camel
-    from kfed_spark.params_codegen import ESTIMATOR, rewritten
+    from kfed_spark.params_codegen import ESTIMATOR_PARAMS, module
 
-    assert rewritten(ESTIMATOR.read_text()) == ESTIMATOR.read_text()
+    assert module() == ESTIMATOR_PARAMS.read_text()
     table = [camel(spec.name) for spec in fields(AlgorithmParams)] + list(ESTIMATOR_COLUMNS)
     assert sorted(param.name for param in KFed().params) == sorted(table)
     assert all(hasattr(KFed, f"set{name[0].upper()}{name[1:]}") for name in table)
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("instance", [KFed(), KFed(k="auto", kRange=[3, 9]), KFedModel()], ids=str)
+def test_explain_params_prints_every_param_with_its_default(instance):
+    explained = instance.explainParams().splitlines()
+    assert len(explained) == len(instance.params)
+    for param, line in zip(sorted(instance.params, key=lambda p: p.name), explained):
+        assert line.startswith(f"{param.name}: ") and f"default: {instance._defaultParamMap[param]}" in line
+
+
 @pytest.mark.spark
-def test_the_module_s_example_runs(spark):
+def test_the_examples_run(spark):
     import doctest
 
     import kfed_spark.estimator as estimator
