@@ -1,6 +1,7 @@
-"""The `kfed-spark` command: run, assign, stream, sql, maintain, forget, report, choose-k, package, generate, prepare,
-demo, jvm-archive, bench, bench-quality, bench-paper, bench-server. Each handler imports what its command
-needs: the parser alone imports no Spark and none of the benchmarks' tooling (kfed_spark.bench).
+"""The `kfed-spark` command: run, assign, stream, sql, maintain, forget, report, choose-k, package, demo,
+jvm-archive, and the benchmarks' commands (kfed_spark.bench.cli). One function adds each command's parser;
+each handler imports what its command needs: the parser alone imports no Spark and none of the
+benchmarks' tooling.
 
 spark-submit's jobs/kfed_job.py and jobs/benchmark.py call main() too.
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from kfed_spark.config import KFedConfig, build_config, load_config
+from kfed_spark.bench.cli import add_bench_commands
+from kfed_spark.config import QUIET_LOCAL_SPARK, KFedConfig, build_config, load_config
 from kfed_spark.errors import KFedError
 from kfed_spark.runtime.failures import describe
 from kfed_spark.runtime.stopping import (
@@ -24,14 +27,6 @@ from kfed_spark.runtime.stopping import (
 )
 
 DEMO_FOLDER = "kfed-demo"
-DATASET_NAMES = ("femnist", "mnist", "shakespeare")
-"""The real datasets `prepare` and `bench-quality` know (kfed_spark.bench.datasets.DATASETS; a test holds
-them equal): named here so that the parser, which every command builds, imports none of the tooling."""
-QUIET_LOCAL_SPARK = {
-    "spark.ui.enabled": "false",
-    "spark.log.level": "WARN",
-}
-"""Settings of the embedded local Spark that the demo and `sql --output` start."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,19 +52,16 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code if isinstance(exc, KFedError) and not STOP_REQUESTED.is_set() else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kfed-spark",
-        description="One-shot federated clustering (k-FED) of a device-keyed table on Spark, with Delta outputs.",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="level of the job's own log lines on stderr (default INFO); Spark's is spark.log.level",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # The arguments several commands share, declared once.
+@dataclass(frozen=True)
+class SharedArguments:
+    """The arguments several commands share, declared once as parent parsers."""
+
+    configured: argparse.ArgumentParser  # --config (required) and --set
+    located: argparse.ArgumentParser  # --output, or --config for its output.path
+    run_output: argparse.ArgumentParser  # --json and --quiet
+
+
+def shared_arguments() -> SharedArguments:
     configured = argparse.ArgumentParser(add_help=False)
     configured.add_argument("--config", required=True, help="YAML config file (see conf/local.yaml)")
     configured.add_argument(
@@ -94,9 +86,42 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only warnings and the error line on stderr: no stage lines, Spark at ERROR",
     )
+    return SharedArguments(configured, located, run_output)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kfed-spark",
+        description="One-shot federated clustering (k-FED) of a device-keyed table on Spark, with Delta outputs.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="level of the job's own log lines on stderr (default INFO); Spark's is spark.log.level",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    shared = shared_arguments()
+    add_run(commands, shared)
+    add_assign(commands, shared)
+    add_stream(commands, shared)
+    add_sql(commands, shared)
+    add_maintain(commands, shared)
+    add_forget(commands, shared)
+    add_report(commands, shared)
+    add_choose_k(commands, shared)
+    add_package(commands)
+    add_demo(commands)
+    add_jvm_archive(commands)
+    add_bench_commands(commands)
+    return parser
+
+
+def add_run(commands, shared: SharedArguments) -> None:
     run = commands.add_parser(
-        "run", parents=[configured, run_output], help="cluster a table and write the Delta tables of one run"
+        "run",
+        parents=[shared.configured, shared.run_output],
+        help="cluster a table and write the Delta tables of one run",
     )
     run.add_argument(
         "--dry-run",
@@ -105,18 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=command_run)
 
+
+def add_assign(commands, shared: SharedArguments) -> None:
     assign = commands.add_parser(
         "assign",
-        parents=[configured, run_output],
+        parents=[shared.configured, shared.run_output],
         help="label a new input with a published run's model and write it as a new run of the same tables "
         "(--config: the new input, the same output.path)",
     )
     add_model_arguments(assign, required=True)
     assign.set_defaults(handler=command_assign)
 
+
+def add_stream(commands, shared: SharedArguments) -> None:
     stream = commands.add_parser(
         "stream",
-        parents=[configured, run_output],
+        parents=[shared.configured, shared.run_output],
         help="label rows as they arrive in the input (files of a folder, a Delta table) with a finished model, "
         "appending them to stream_labels and stream_quarantine exactly once (--config: the input to watch, "
         "output.path, stream.*)",
@@ -136,9 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stream.set_defaults(handler=command_stream)
 
+
+def add_sql(commands, shared: SharedArguments) -> None:
     sql = commands.add_parser(
         "sql",
-        parents=[located],
+        parents=[shared.located],
         help="run a Spark SQL query against the tables of an output location and print the result",
     )
     sql.add_argument(
@@ -151,9 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("--limit", type=int, default=100, help="rows to print at most (default 100)")
     sql.set_defaults(handler=command_sql)
 
+
+def add_maintain(commands, shared: SharedArguments) -> None:
     maintain = commands.add_parser(
         "maintain",
-        parents=[located],
+        parents=[shared.located],
         help="tidy an output location: mark attempts whose process is gone as abandoned, and delete the rows "
         "of failed, abandoned and superseded attempts",
     )
@@ -172,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     maintain.set_defaults(handler=command_maintain)
 
+
+def add_forget(commands, shared: SharedArguments) -> None:
     forget = commands.add_parser(
         "forget",
-        parents=[located],
+        parents=[shared.located],
         help="take devices out of published runs (an erasure request): each run that holds them gets a new "
         "attempt without them, its server step run again over the other devices' local centers",
     )
@@ -186,16 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--all-runs", action="store_true", help="forget them in every published run that holds them")
     forget.set_defaults(handler=command_forget)
 
+
+def add_report(commands, shared: SharedArguments) -> None:
     report = commands.add_parser(
-        "report", parents=[located], help="print the report of a run (its report.json, as text)"
+        "report", parents=[shared.located], help="print the report of a run (its report.json, as text)"
     )
     report.add_argument("run_id", metavar="RUN_ID", help="the run whose report to print")
     report.add_argument("--json", action="store_true", help="print report.json as it is")
     report.set_defaults(handler=command_report)
 
+
+def add_choose_k(commands, shared: SharedArguments) -> None:
     choose_k = commands.add_parser(
         "choose-k",
-        parents=[located],
+        parents=[shared.located],
         help="sweep k over a published run's local centers (no pass over the rows), print every k's "
         "figures and the recommended k, and store the sweep beside the run's report",
     )
@@ -215,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     choose_k.add_argument("--json", action="store_true", help="print the sweep as one JSON object on stdout")
     choose_k.set_defaults(handler=command_choose_k)
 
+
+def add_package(commands) -> None:
     package = commands.add_parser(
         "package", help="build what spark-submit ships to executors: the package zip and a packed environment"
     )
@@ -231,27 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     package.set_defaults(handler=command_package)
 
-    generate = commands.add_parser("generate", help="write a heterogeneous Gaussian mixture as Parquet")
-    generate.add_argument("--out", required=True, help="output folder for the Parquet file")
-    add_mixture_arguments(generate)
-    generate.set_defaults(handler=command_generate)
 
-    prepare = commands.add_parser(
-        "prepare", help="turn a real dataset (femnist, mnist, shakespeare) into the job's input table (Parquet)"
-    )
-    prepare.add_argument("dataset", choices=DATASET_NAMES, help="which dataset")
-    prepare.add_argument("--out", required=True, help="output folder for the Parquet file")
-    prepare.add_argument(
-        "--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)"
-    )
-    prepare.add_argument("--max-devices", type=int, help="keep only this many devices (a small slice)")
-    prepare.add_argument("--seed", type=int, default=0, help="seed of any random split (default 0)")
-    prepare.set_defaults(handler=command_prepare)
-
+def add_demo(commands) -> None:
     demo = commands.add_parser("demo", help="generate a small mixture, cluster it locally, print a summary")
     demo.add_argument("--folder", default=DEMO_FOLDER, help=f"where the demo writes (default ./{DEMO_FOLDER})")
     demo.set_defaults(handler=command_demo)
 
+
+def add_jvm_archive(commands) -> None:
     archive = commands.add_parser(
         "jvm-archive",
         help="write the JVM class archive that local Spark sessions of this installation start from (seconds "
@@ -259,88 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     archive.add_argument("--path", help="where to write it (default: $KFED_JVM_ARCHIVE, else the cache folder)")
     archive.set_defaults(handler=command_jvm_archive)
-
-    bench = commands.add_parser(
-        "bench",
-        help="time k-FED on Spark against MLlib KMeans and Spark's bare passes, each as a fresh process, "
-        "then in one warm session with a no-Spark floor and scikit-learn",
-    )
-    bench.add_argument("--data", help="a generated mixture (Parquet); default: generate one into --out")
-    bench.add_argument("--out", default="kfed-bench", help="folder for the data, the tables and the report")
-    add_mixture_arguments(bench)
-    bench.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
-    bench.add_argument("--driver-memory", default="2g", help="Spark driver memory (default 2g)")
-    bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
-    bench.add_argument(
-        "--repeats", type=int, default=3, help="runs of each method in the warm session; the fastest counts (default 3)"
-    )
-    bench.add_argument(
-        "--no-warm",
-        action="store_true",
-        help="only the fresh processes: skip the second table, timed in one warm session",
-    )
-    bench.add_argument(
-        "--mllib-limit",
-        type=float,
-        metavar="SECONDS",
-        help="stop MLlib's fit after this long and report its time as a lower bound (default: none)",
-    )
-    bench.set_defaults(handler=command_bench)
-
-    quality = commands.add_parser(
-        "bench-quality",
-        help="ARI, NMI and cost of k-FED variants, MLlib and scikit-learn on the real datasets and a mixture",
-    )
-    quality.add_argument(
-        "--datasets",
-        help=f"comma-separated names among {', '.join(DATASET_NAMES)}, mixture, "
-        "mixture-iid, mixture-outliers, close-means, mixture-uneven (default: all)",
-    )
-    quality.add_argument("--out", default="kfed-quality", help="folder for quality.json and quality.md")
-    quality.add_argument(
-        "--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)"
-    )
-    quality.add_argument("--max-devices", type=int, help="use only this many devices of each real dataset")
-    quality.add_argument("--seed", type=int, default=0, help="seed of every method (default 0)")
-    quality.set_defaults(handler=command_bench_quality)
-
-    paper = commands.add_parser(
-        "bench-paper",
-        help="the k-FED paper's experiments (section 4): structured against IID partitions, one round against "
-        "MLlib's rounds, the synthetic setting",
-    )
-    paper.add_argument(
-        "--datasets", help="comma-separated among femnist, shakespeare, mixture (default: the paper's two)"
-    )
-    paper.add_argument("--out", default="kfed-paper", help="folder for paper.md, paper.json and the figures")
-    paper.add_argument("--data-dir", help="folder holding the raw datasets (default $KFED_DATA_DIR or ../shared/data)")
-    paper.add_argument("--max-devices", type=int, help="use only this many devices of each real dataset")
-    paper.add_argument("--seed", type=int, default=0, help="seed of the partition and rounds studies (default 0)")
-    paper.add_argument("--synthetic-k", help="comma-separated k of the synthetic setting (default 16,25,36,64,100)")
-    paper.add_argument("--seeds", type=int, help="seeds of the synthetic setting (default 10)")
-    paper.add_argument("--rounds", help="comma-separated numbers of MLlib's rounds (default 1,2,3,5,10,20)")
-    paper.set_defaults(handler=command_bench_paper)
-
-    server = commands.add_parser("bench-server", help="time the server step (alg. 2) alone on many local centers")
-    server.add_argument("--devices", type=int, default=200_000, help="devices (default 200000)")
-    server.add_argument("--per-device", type=int, default=5, help="local centers per device (default 5)")
-    server.add_argument("--k", type=int, default=1000, help="global clusters (default 1000)")
-    server.add_argument("--dim", type=int, default=32, help="dimension (default 32)")
-    server.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    server.add_argument(
-        "--distributed",
-        action="store_true",
-        help="run the distributed server step on a local Spark (server_step: distributed) instead "
-        "of the driver's numpy one",
-    )
-    server.add_argument(
-        "--out",
-        default="kfed-bench-server",
-        help="with --distributed: folder for the generated local centers and their clusters",
-    )
-    server.add_argument("--driver-memory", default="2g", help="with --distributed: Spark driver memory (default 2g)")
-    server.set_defaults(handler=command_bench_server)
-    return parser
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -373,169 +319,6 @@ def spark_quiet(cfg: KFedConfig, args: argparse.Namespace) -> KFedConfig:
 
     conf = {**cfg.spark.conf, "spark.log.level": "ERROR", "spark.ui.showConsoleProgress": "false"}
     return dataclasses.replace(cfg, spark=dataclasses.replace(cfg.spark, conf=conf))
-
-
-def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
-    """The shape of a generated mixture; k and k-per-device are also what the benchmark clusters with."""
-    parser.add_argument("--k", type=int, default=64, help="clusters in the mixture (default 64)")
-    parser.add_argument("--k-per-device", type=int, default=8, help="clusters each device holds (default 8)")
-    parser.add_argument("--devices", type=int, default=1000, help="number of devices (default 1000)")
-    parser.add_argument("--points-per-device", type=int, default=500, help="rows per device (default 500)")
-    parser.add_argument("--dim", type=int, default=32, help="number of features (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data and of every method (default 0)")
-    parser.add_argument(
-        "--wide",
-        type=int,
-        default=0,
-        metavar="W",
-        help="W more columns that clustering does not read, doubles and strings (default 0)",
-    )
-
-
-def command_bench(args: argparse.Namespace) -> int:
-    import json
-    from dataclasses import asdict
-
-    from kfed_spark.bench.benchmark import bench_session, benchmark
-    from kfed_spark.bench.processes import benchmark_fresh
-    from kfed_spark.bench.synthetic import write_mixture
-
-    if not args.no_sklearn and not args.no_warm:
-        require_sklearn("bench", "or pass --no-sklearn")
-    out = Path(args.out).resolve()
-    data = args.data
-    if data is None:
-        data = str(out / "input")
-        write_mixture(
-            data,
-            k=args.k,
-            k_per_device=args.k_per_device,
-            devices=args.devices,
-            points_per_device=args.points_per_device,
-            dim=args.dim,
-            seed=args.seed,
-            wide=args.wide,
-        )
-    command = command_line("bench")
-    fresh = benchmark_fresh(
-        data, out / "fresh", args.k, args.k_per_device, args.seed, command, args.master, args.driver_memory
-    )
-    sections = ["## Fresh processes, as spark-submit, Airflow and cron run each contender", "", fresh.markdown()]
-    saved = {"fresh": asdict(fresh)}
-    if not args.no_warm:
-        spark = bench_session("kfed-spark-bench", args.driver_memory, args.master)
-        warm = benchmark(
-            spark,
-            data,
-            out / "warm",
-            args.k,
-            args.k_per_device,
-            args.seed,
-            command,
-            not args.no_sklearn,
-            args.repeats,
-            args.mllib_limit,
-        )
-        sections += ["## One warm session (JVM, Python workers and output tables warmed up first)", "", warm.markdown()]
-        saved["warm"] = asdict(warm)
-    (out / "benchmark.json").write_text(json.dumps(saved, indent=2))
-    (out / "benchmark.md").write_text("\n".join(sections))
-    print("\n".join(sections))
-    print(f"report: {out / 'benchmark.md'} and {out / 'benchmark.json'}")
-    return 0
-
-
-def command_bench_quality(args: argparse.Namespace) -> int:
-    from kfed_spark.bench.quality import PROBLEMS, bench_quality
-
-    names = list(PROBLEMS) if args.datasets is None else comma_list(args.datasets)
-    if not names or set(names) - set(PROBLEMS):
-        raise KFedError(f"--datasets takes names from {', '.join(PROBLEMS)}, got {args.datasets!r}")
-    require_sklearn("bench-quality", "(its centralized baseline)")
-    spark = quiet_local_session("kfed-spark-quality")
-    command = command_line("bench-quality")
-    out = Path(args.out).resolve()
-    bench_quality(spark, names, out, args.data_dir, args.max_devices, args.seed, command)
-    print((out / "quality.md").read_text(), end="")
-    print(f"report: {out / 'quality.md'} and {out / 'quality.json'}")
-    return 0
-
-
-def command_bench_paper(args: argparse.Namespace) -> int:
-    from kfed_spark.bench import paper
-
-    names = paper.PAPER_DATASETS if args.datasets is None else comma_list(args.datasets)
-    if not names or set(names) - set(paper.K_PRIMES):
-        raise KFedError(f"--datasets takes names from {', '.join(paper.K_PRIMES)}, got {args.datasets!r}")
-    ks = paper.SYNTHETIC_KS if args.synthetic_k is None else whole_numbers(args.synthetic_k)
-    rounds = paper.ROUNDS if args.rounds is None else whole_numbers(args.rounds)
-    seeds = paper.SYNTHETIC_SEEDS if args.seeds is None else args.seeds
-    if not ks or min(ks) < 4 or not rounds or min(rounds) < 1 or seeds < 1:
-        raise KFedError(
-            "--synthetic-k takes whole numbers of at least 4, --rounds at least 1 and --seeds at least 1, got "
-            f"{args.synthetic_k!r}, {args.rounds!r} and {args.seeds}"
-        )
-    require_sklearn("bench-paper", "(its centralized k-means)")
-    spark = quiet_local_session("kfed-spark-paper")
-    out = Path(args.out).resolve()
-    command = command_line("bench-paper")
-    print(
-        paper.bench_paper(
-            spark, list(names), out, args.data_dir, args.max_devices, args.seed, ks, seeds, rounds, command
-        )
-    )
-    print(f"report: {out / 'paper.md'}, {out / 'paper.json'} and the figures beside them")
-    return 0
-
-
-def comma_list(text: str) -> list[str]:
-    """The non-empty items of a comma-separated list."""
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def whole_numbers(text: str) -> tuple[int, ...]:
-    """Comma-separated whole numbers, or () if any is not one."""
-    try:
-        return tuple(int(part) for part in comma_list(text))
-    except ValueError:
-        return ()
-
-
-def quiet_local_session(app_name: str):
-    """The benchmarks' local[2] session, without the console progress bar."""
-    from kfed_spark.config import SparkConfig
-    from kfed_spark.spark.session import build_session
-
-    conf = {**QUIET_LOCAL_SPARK, "spark.ui.showConsoleProgress": "false"}
-    return build_session(SparkConfig(master="local[2]", app_name=app_name, conf=conf))
-
-
-def command_line(command: str) -> str:
-    """The command as the user typed it, for a report's first line."""
-    return "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == [command] else f"kfed-spark {command}"
-
-
-def require_sklearn(command: str, hint: str) -> None:
-    """The benchmarks compare with scikit-learn, which the job itself does not need: say so before any work."""
-    import importlib.util
-
-    if importlib.util.find_spec("sklearn") is None:
-        raise KFedError(f"{command} needs scikit-learn: pip install 'kfed-spark[bench]' {hint}")
-
-
-def command_bench_server(args: argparse.Namespace) -> int:
-    from kfed_spark.bench.benchmark import bench_session, benchmark_distributed_server, benchmark_server
-
-    if args.distributed:
-        spark = bench_session("kfed-spark-bench-server", args.driver_memory)
-        figures = benchmark_distributed_server(
-            spark, Path(args.out).resolve(), args.devices, args.per_device, args.k, args.dim, args.seed
-        )
-    else:
-        figures = benchmark_server(args.devices, args.per_device, args.k, args.dim, args.seed)
-    for name, value in figures.items():
-        print(f"{name}: {value:g}")
-    return 0
 
 
 def command_run(args: argparse.Namespace) -> int:
@@ -766,48 +549,6 @@ def command_package(args: argparse.Namespace) -> int:
         f"wrote {packaged.package_zip} and {packaged.env_archive} ({' '.join(packaged.requirements)})\n"
         f"ship them with: --py-files {packaged.package_zip} --archives {packaged.env_archive}#environment "
         "--conf spark.pyspark.python=./environment/bin/python"
-    )
-    return 0
-
-
-def command_generate(args: argparse.Namespace) -> int:
-    from kfed_spark.bench.synthetic import write_mixture
-
-    try:
-        table = write_mixture(
-            args.out,
-            k=args.k,
-            k_per_device=args.k_per_device,
-            devices=args.devices,
-            points_per_device=args.points_per_device,
-            dim=args.dim,
-            seed=args.seed,
-            wide=args.wide,
-        )
-    except ValueError as exc:
-        raise KFedError(str(exc)) from None
-    print(f"wrote {table.num_rows} rows ({args.devices} devices, d = {args.dim}, k = {args.k}) to {args.out}")
-    return 0
-
-
-def command_prepare(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from kfed_spark.bench.datasets import DATASETS, load, write_parquet_folder
-
-    table = load(args.dataset, args.data_dir, args.max_devices, args.seed)
-    write_parquet_folder(table, args.out)
-    per_device = table.group_by("device_id").aggregate([("true_cluster", "count_distinct")])
-    devices = per_device.num_rows
-    clusters = len(set(table.column("true_cluster").to_pylist()))
-    dim = len(table.column("features")[0])
-    # The README's advice: a known k_z beats `auto` on images; here it is the truth's own count per device.
-    k_per_device = int(np.median(per_device.column("true_cluster_count_distinct").to_numpy()))
-    print(
-        f"wrote {table.num_rows} rows of {DATASETS[args.dataset].description}: {devices} devices, d = {dim}, "
-        f"{clusters} true clusters ({k_per_device} per device, median), to {args.out}\n"
-        f"cluster it: kfed-spark run --config conf/local.yaml --set input.path={args.out} "
-        f"--set input.truth_col=true_cluster --set k={clusters} --set k_per_device={k_per_device}"
     )
     return 0
 

@@ -20,6 +20,13 @@ TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_
 INPUT_FORMATS = ("parquet", "delta", "csv", "json", "orc")
 
 
+QUIET_LOCAL_SPARK = {
+    "spark.ui.enabled": "false",
+    "spark.log.level": "WARN",
+}
+"""Settings of the embedded local Spark that the demo, `sql --output` and the benchmarks start."""
+
+
 @dataclass(frozen=True)
 class InputConfig:
     path: str | None = None

@@ -2,8 +2,9 @@
 
 import pytest
 
+from kfed_spark.bench.cli import DATASET_NAMES
 from kfed_spark.bench.datasets import DATASETS
-from kfed_spark.cli import DATASET_NAMES, build_parser
+from kfed_spark.cli import build_parser
 
 pytestmark = pytest.mark.fast
 

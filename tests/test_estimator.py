@@ -180,8 +180,11 @@ def test_the_params_are_declared_as_the_parameter_table_generates_them():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("instance", [KFed(), KFed(k="auto", kRange=[3, 9]), KFedModel()], ids=str)
-def test_explain_params_prints_every_param_with_its_default(instance):
+@pytest.mark.parametrize(
+    "make", [KFed, lambda: KFed(k="auto", kRange=[3, 9]), KFedModel], ids=["KFed", "KFed-set", "KFedModel"]
+)
+def test_explain_params_prints_every_param_with_its_default(make):
+    instance = make()
     explained = instance.explainParams().splitlines()
     assert len(explained) == len(instance.params)
     for param, line in zip(sorted(instance.params, key=lambda p: p.name), explained):

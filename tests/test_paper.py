@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -63,7 +64,8 @@ def test_on_the_mixture_k_fed_is_near_centralized_when_structured_and_far_on_the
 def test_bench_paper_writes_its_tables_and_figures(spark, tmp_path, capsys):
     out = tmp_path / "paper"
     arguments = ["bench-paper", "--datasets", "mixture", "--synthetic-k", "16", "--seeds", "2", "--rounds", "1,3,20"]
-    assert main([*arguments, "--out", str(out)]) == 0
+    page = tmp_path / "docs" / "paper.md"
+    assert main([*arguments, "--out", str(out), "--page", str(page)]) == 0
     saved = json.loads((out / "paper.json").read_text())
     assert len(saved["partitions"]) == 2 * 5 and len(saved["synthetic"]) == 2 * len(SYNTHETIC_METHODS)
     rounds = saved["rounds"]
@@ -79,6 +81,14 @@ def test_bench_paper_writes_its_tables_and_figures(spark, tmp_path, capsys):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (out / "paper.md").read_text()
     assert "| mixture | 16 | 4 | structured |" in markdown and "| 16 | 4 | 40 | 800 |" in markdown
+    assert (
+        page.read_text() == markdown and (page.parent / "rounds.png").read_bytes() == (out / "rounds.png").read_bytes()
+    )
+    header = dict(
+        re.findall(r"^\| (command|commit|date|machine|Java|Spark, Delta|Python, numpy) \| (.+) \|$", markdown, re.M)
+    )
+    assert header["command"] == "`kfed-spark bench-paper`"  # main() here, not a process: argv is pytest's
+    assert len(header) == 7 and re.match(r"[0-9a-f]{12}", header["commit"]) and "cores" in header["machine"]
     assert main(["bench-paper", "--datasets", "cifar", "--out", str(out)]) == 2
     assert "--datasets takes names from femnist, shakespeare, mixture" in capsys.readouterr().err
     assert main(["bench-paper", "--rounds", "0,2", "--out", str(out)]) == 2

@@ -25,7 +25,8 @@ def test_config_and_estimator_defaults_are_the_tables():
     config, estimator = KFedConfig(), KFed()
     for spec in fields(AlgorithmParams):
         assert getattr(config, spec.name) == spec.default, spec.name
-        assert estimator.getOrDefault(camel(spec.name)) == spec.default, spec.name
+        as_param = list(spec.default) if isinstance(spec.default, tuple) else spec.default  # pairs are lists there
+        assert estimator.getOrDefault(camel(spec.name)) == as_param, spec.name
         assert spec.metadata["doc"] in estimator.getParam(camel(spec.name)).doc
 
 
@@ -53,9 +54,9 @@ def test_the_estimator_refuses_what_the_config_refuses():
         load_config(None, ["robust_min_size=-1", "input.path=x", "output.path=y"])
 
 
-def test_the_readme_s_parameter_table_is_the_parameter_table():
-    """The README's table between its GENERATED lines is what kfed_spark.params_codegen writes from
+def test_the_configuration_page_s_parameter_table_is_the_parameter_table():
+    """docs/configuration.md's table between its GENERATED lines is what kfed_spark.params_codegen writes from
     kfed_spark.params: after a change to the table, `python -m kfed_spark.params_codegen` rewrites it."""
-    from kfed_spark.params_codegen import README, rewritten_readme
+    from kfed_spark.params_codegen import CONFIGURATION_PAGE, rewritten_page
 
-    assert rewritten_readme(README.read_text()) == README.read_text()
+    assert rewritten_page(CONFIGURATION_PAGE.read_text()) == CONFIGURATION_PAGE.read_text()

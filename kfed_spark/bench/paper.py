@@ -331,6 +331,13 @@ def markdown(
             f"{r.accuracy_mean:.3f} | {r.accuracy_std:.3f} | {r.accuracy_min:.3f} |"
             for r in synthetic
         ]
+    lines += [
+        "",
+        "![k-FED's cost over the centralized cost by k', structured and IID](partitions.png)",
+        "![cost by rounds over the rows: MLlib against k-FED's one round](rounds.png)",
+    ]
+    if synthetic:
+        lines.append("![matched accuracy by k at k' = sqrt(k)](synthetic.png)")
     return "\n".join(lines) + "\n"
 
 
@@ -349,8 +356,8 @@ def bench_paper(
     seeds: int,
     rounds: tuple[int, ...],
     command: str,
-) -> str:
-    """Run the three studies, write paper.json, paper.md and the figures into out; returns the markdown."""
+) -> tuple[str, dict[str, bytes]]:
+    """Run the three studies, write paper.json and the figures into out; return the markdown and the figures."""
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     partitions, compared = [], []
@@ -362,7 +369,8 @@ def bench_paper(
         compared += rounds_study(spark, problem, K_PER_DEVICE[problem.name], seed, reference, rounds, out)
     progress(f"the synthetic setting, k = {', '.join(map(str, synthetic_ks))}, {seeds} seeds")
     synthetic = synthetic_study(synthetic_ks, seeds)
-    for name, data in figures(partitions, compared, synthetic).items():
+    images = figures(partitions, compared, synthetic)
+    for name, data in images.items():
         (out / name).write_bytes(data)
     saved = {
         "partitions": [asdict(r) for r in partitions],
@@ -370,6 +378,4 @@ def bench_paper(
         "synthetic": [asdict(r) for r in synthetic],
     }
     (out / "paper.json").write_text(json.dumps(saved, indent=2))
-    text = markdown(partitions, compared, synthetic, command, time.perf_counter() - started)
-    (out / "paper.md").write_text(text)
-    return text
+    return markdown(partitions, compared, synthetic, command, time.perf_counter() - started), images

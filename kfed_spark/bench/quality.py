@@ -442,7 +442,9 @@ def markdown(
 
 def bench_quality(
     spark, names: list[str], out: Path, data_dir: str | None, max_devices: int | None, seed: int, command: str
-) -> list[QualityRow]:
+) -> str:
+    """Evaluate every problem; write quality.json, k_choice.json, support.json and privacy.json into out and
+    return the tables as markdown."""
     out.mkdir(parents=True, exist_ok=True)
     rows, choices, supports, privacy = [], [], [], []
     for problem in problems(names, data_dir, max_devices, seed):
@@ -455,5 +457,4 @@ def bench_quality(
     (out / "k_choice.json").write_text(json.dumps([asdict(c) for c in choices], indent=2))
     (out / "support.json").write_text(json.dumps([asdict(s) for s in supports], indent=2))
     (out / "privacy.json").write_text(json.dumps([asdict(p) for p in privacy], indent=2))
-    (out / "quality.md").write_text(markdown(rows, command, choices, supports, privacy))
-    return rows
+    return markdown(rows, command, choices, supports, privacy)

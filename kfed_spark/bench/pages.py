@@ -1,0 +1,105 @@
+"""The benchmarks' result pages: each bench command writes its markdown under a header that says where the
+figures come from (commit, date, machine, the versions that run, the exact command), so that a page is
+never copied by hand and a reader can tell which code and which machine measured it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+"""The source checkout this package runs from (when it runs from one)."""
+
+
+def git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(REPOSITORY), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def commit() -> str:
+    """The checkout's commit, marked when the package's files differ from it; else the installed version."""
+    head = git("rev-parse", "--short=12", "HEAD")
+    if head is None:
+        return f"kfed-spark {installed('kfed-spark')} (not a git checkout)"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "kfed_spark", "pyproject.toml")
+    return f"{head} with uncommitted changes" if changed else head
+
+
+def installed(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_gib() -> str:
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return "unknown"
+    return f"{pages * size / 2**30:.1f} GiB"
+
+
+def java_version() -> str:
+    java = Path(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else Path("java")
+    try:
+        done = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "not found"
+    return (done.stderr or done.stdout).splitlines()[0].strip() if (done.stderr or done.stdout) else "unknown"
+
+
+def provenance(command: str) -> list[tuple[str, str]]:
+    """What a reader needs to know to trust or repeat a page's figures."""
+    return [
+        ("command", f"`{command}`"),
+        ("commit", commit()),
+        ("date", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")),
+        ("machine", f"{os.cpu_count()} cores, {memory_gib()}, {cpu_model()}"),
+        ("Java", java_version()),
+        ("Spark, Delta", f"pyspark {installed('pyspark')}, delta-spark {installed('delta-spark')}"),
+        ("Python, numpy", f"{platform.python_version()}, numpy {installed('numpy')}"),
+    ]
+
+
+def page(title: str, body: str, command: str) -> str:
+    """A result page: its title, the provenance table, then the bench's own markdown."""
+    rows = "".join(f"| {key} | {value} |\n" for key, value in provenance(command))
+    return (
+        f"# {title}\n\n"
+        f"Written by `{command.split()[0]} {command.split()[1]}`: run it again to replace this page, never edit it.\n\n"
+        "| | |\n| --- | --- |\n" + rows + "\n" + body.rstrip() + "\n"
+    )
+
+
+def write_page(text: str, targets: list[Path], figures: dict[str, bytes] | None = None) -> None:
+    """The page to each target, with the figures it names beside it."""
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        for name, data in (figures or {}).items():
+            (target.parent / name).write_bytes(data)
+
+
+def command_line(command: str) -> str:
+    """The command as the user typed it, for a page's header."""
+    return "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == [command] else f"kfed-spark {command}"
