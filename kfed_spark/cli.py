@@ -536,7 +536,7 @@ def command_forget(args: argparse.Namespace) -> int:
     if done:
         print(
             "the deleted rows stay in the tables' Delta history until VACUUM removes their files after the "
-            "retention period (see the README's Erasure section)"
+            "retention period (see the erasure page of the docs)"
         )
     return 0
 

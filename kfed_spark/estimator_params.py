@@ -200,8 +200,8 @@ class GeneratedParams(Params):
         Params._dummy(),
         "privacyEpsilon",
         "null (no privacy), or the epsilon of the per-row differential privacy of what each device "
-        "shares: its local step becomes privacy_rounds noisy Lloyd rounds in the box privacy_bounds "
-        "(README: Differential privacy); needs a fixed k and k_per_device.",
+        "shares: its local step becomes privacy_rounds noisy Lloyd rounds in the box privacy_bounds (the "
+        "docs' privacy page); needs a fixed k and k_per_device.",
         typeConverter=_optional_float,
     )
 

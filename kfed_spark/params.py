@@ -185,8 +185,8 @@ class AlgorithmParams:
         None,
         optional_epsilon,
         "null (no privacy), or the epsilon of the per-row differential privacy of what each device shares: "
-        "its local step becomes privacy_rounds noisy Lloyd rounds in the box privacy_bounds (README: Differential "
-        "privacy); needs a fixed k and k_per_device",
+        "its local step becomes privacy_rounds noisy Lloyd rounds in the box privacy_bounds (the docs' "
+        "privacy page); needs a fixed k and k_per_device",
     )
     privacy_delta: float = param(1e-6, probability, "with privacy_epsilon: the delta of the guarantee")
     privacy_bounds: tuple[float, float] | None = param(

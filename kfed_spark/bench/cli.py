@@ -341,7 +341,7 @@ def command_prepare(args: argparse.Namespace) -> int:
     devices = per_device.num_rows
     clusters = len(set(table.column("true_cluster").to_pylist()))
     dim = len(table.column("features")[0])
-    # The README's advice: a known k_z beats `auto` on images; here it is the truth's own count per device.
+    # The docs' advice: a known k_z beats `auto` on images; here it is the truth's own count per device.
     k_per_device = int(np.median(per_device.column("true_cluster_count_distinct").to_numpy()))
     print(
         f"wrote {table.num_rows} rows of {DATASETS[args.dataset].description}: {devices} devices, d = {dim}, "

@@ -7,7 +7,7 @@ to INTO/<point> at every point and goes on: each copy holds what a SIGKILL at th
 disk, so one process gives the states of every kill point. Faults separated by `;` act in turn, each at its
 own point (`wait:checked:A;wait:before_publish:B`: wait at two points). In the local-step tasks,
 `fail_first_attempt` makes every task fail its first attempt (Spark retries it) and `stall` makes them hang.
-Not a user setting: nothing in the config or the README names it.
+Not a user setting: nothing in the config or the docs names it.
 """
 
 from __future__ import annotations

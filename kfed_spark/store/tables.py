@@ -120,7 +120,7 @@ COLUMN_COMMENTS = {
     "for a run that takes a model",
     "forgotten_devices": "devices `kfed-spark forget` took out of the run up to this attempt (null: none)",
     "privacy_epsilon": "the budget each device spent: its shared local centers and counts are (epsilon, delta)-"
-    "differentially private per row (README: Differential privacy); null: no privacy",
+    "differentially private per row (docs: privacy.md); null: no privacy",
     "privacy_delta": "the delta of that guarantee; null: no privacy",
     "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
     "ari": "adjusted Rand index against the truth column, if the input has one",
