@@ -47,13 +47,13 @@ def finite_number(value: object) -> str | None:
 
 def optional_epsilon(value: object) -> str | None:
     """privacy_epsilon: null (no privacy) or a finite number > 0."""
-    if value is None or (finite_number(value) is None and value > 0):
+    if value is None or (isinstance(value, (int, float)) and finite_number(value) is None and value > 0):
         return None
     return "null or a finite number > 0"
 
 
 def probability(value: object) -> str | None:
-    if finite_number(value) is None and 0 < value < 1:
+    if isinstance(value, (int, float)) and finite_number(value) is None and 0 < value < 1:
         return None
     return "a number in (0, 1)"
 
@@ -217,7 +217,14 @@ class AlgorithmParams:
     @property
     def largest_k(self) -> int:
         """k, or with k 'auto' the largest k it may become: the bound of every device's k."""
-        return self.k_range[1] if self.k == "auto" else self.k
+        return self.k_range[1] if self.k == "auto" else self.fixed_k
+
+    @property
+    def fixed_k(self) -> int:
+        """k as a number, as the server step takes it: a run with k 'auto' clusters with the k its sweep chose."""
+        if isinstance(self.k, str):
+            raise ValueError("k is 'auto': the k sweep chooses it before the server step")
+        return self.k
 
     def check(self) -> None:
         """Raise ConfigError for the first value its constraint refuses, or a k_per_device above the
@@ -227,7 +234,7 @@ class AlgorithmParams:
             required = spec.metadata["constraint"](value)
             if required is not None:
                 raise ConfigError(f"{spec.name} must be {required}, got {value!r}")
-        smallest, what = (self.k_range[0], "the smallest k of k_range") if self.k == "auto" else (self.k, "k")
+        smallest, what = (self.k_range[0], "the smallest k of k_range") if self.k == "auto" else (self.fixed_k, "k")
         if not isinstance(self.k_per_device, str) and self.k_per_device > smallest:
             raise ConfigError(f"k_per_device ({self.k_per_device}) must not exceed {what} ({smallest})")
         if self.privacy_epsilon is not None:

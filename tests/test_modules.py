@@ -165,7 +165,7 @@ IMPORT_LIMITS = [
     ),
     ImportLimit(
         "kfed_spark.estimator",
-        ("kfed_spark.runs.job", "kfed_spark.store.ledger", "kfed_spark.bench"),
+        ("kfed_spark.runs", "kfed_spark.store.ledger", "kfed_spark.bench"),
         "a notebook without delta-spark imports the estimator: the fit layer, not the job's stages",
         missing=("delta",),
     ),

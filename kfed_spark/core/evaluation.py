@@ -55,7 +55,7 @@ class PartitionEvaluation:
         self.profiles: list[pd.DataFrame] = []
         self.cells: list[pd.Series] = []
         self.moments: list[pd.DataFrame] = []
-        self.sample: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.sample: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
     def add(
         self, devices: np.ndarray, truth: pa.Array | None, x: np.ndarray, cluster: np.ndarray, sq_dist: np.ndarray

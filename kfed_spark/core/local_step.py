@@ -106,6 +106,8 @@ def private_local_step(
     bisecting, so that no starting center is placed by looking at the rows. The counts shared are
     the last round's, rounded; the SSE is not shared (NaN).
     """
+    if params.privacy_epsilon is None or params.privacy_bounds is None:
+        raise ValueError("the private local step needs privacy_epsilon and privacy_bounds")
     low, high = params.privacy_bounds
     middle, half = (low + high) / 2, (high - low) / 2
     rows = np.clip(x, low, high) - middle
@@ -186,6 +188,7 @@ def rough_centers(
     """
     projected, origin = centered(projected, weights)
     state = rng.bit_generator.state
+    found: tuple[np.ndarray | list[np.ndarray], np.ndarray | list[float]] | None
     found = _batched_rough_clusterings(projected, weights, k, restarts, rng)
     if found is None:
         rng.bit_generator.state = state

@@ -58,7 +58,7 @@ def local_clusterings(
         k_z = (
             estimate_local_k(rows, min(params.largest_k, params.k_per_device_max))
             if params.k_per_device == "auto"
-            else params.k_per_device
+            else int(params.k_per_device)
         )
         found = device_local_step(rows, k_z, plain(key), params, noise_key)
         results.append(shared_centers(found, params.min_center_points))

@@ -77,7 +77,7 @@ def server_step(
     "none" keeps the seeds as the global centers. Local centers are put in (device, position)
     order first, so the result does not depend on the order the devices were given in.
     """
-    k, refine, seeding = params.k, params.server_refine, params.seeding
+    k, refine, seeding = params.fixed_k, params.server_refine, params.seeding
     if refine not in ("lloyd", "none"):
         raise ValueError(f"server_refine must be 'lloyd' or 'none', not {refine!r}")
     if seeding not in SEEDINGS:
@@ -125,14 +125,14 @@ def warm_seeds(x: np.ndarray, weights: np.ndarray, initial: np.ndarray, params: 
     seeds = initial - origin
     nearest, _ = nearest_center(x, seeds)
     mass = np.bincount(nearest, weights=weights, minlength=len(seeds))
-    kept = np.sort(np.argsort(-mass, kind="stable")[: params.k])
+    kept = np.sort(np.argsort(-mass, kind="stable")[: params.fixed_k])
     seeds = seeds[kept[mass[kept] > 0]]  # an earlier center no local center is nearest to: its cluster is gone
     rng = device_rng(params.seed, f"{SERVER_RNG_KEY}warm")
     _, to_seeds = nearest_center(x, seeds)
-    while len(seeds) < params.k:
+    while len(seeds) < params.fixed_k:
         score = weights * to_seeds
         if not np.any(score > 0):
-            raise too_few_distinct(params.k, len(seeds))
+            raise too_few_distinct(params.fixed_k, len(seeds))
         if params.seeding == "kmeanspp":
             chosen = int(_draw(np.cumsum(score), rng, 1)[0])
         else:
@@ -179,7 +179,7 @@ def _kmeanspp_centers(
     seedings of a seeded sample of sample_size rows of x (default KMEANSPP_SAMPLE_PER_CLUSTER x k;
     all of x if it is smaller, or if the sample has fewer than k distinct rows), refined over all
     of x; None if x has fewer than k distinct rows."""
-    sample_size = sample_size or KMEANSPP_SAMPLE_PER_CLUSTER * params.k
+    sample_size = sample_size or KMEANSPP_SAMPLE_PER_CLUSTER * params.fixed_k
     sample = np.arange(len(x))
     if len(x) > sample_size:
         rng = device_rng(params.seed, f"{SERVER_RNG_KEY}sample")
@@ -187,8 +187,8 @@ def _kmeanspp_centers(
     tried = []
     for restart in range(KMEANSPP_RESTARTS):
         rng = device_rng(params.seed, f"{SERVER_RNG_KEY}{restart}")
-        seeds = kmeans_plusplus(x[sample], weights[sample], params.k, rng)
-        if len(seeds) < params.k:
+        seeds = kmeans_plusplus(x[sample], weights[sample], params.fixed_k, rng)
+        if len(seeds) < params.fixed_k:
             return None if len(sample) == len(x) else _kmeanspp_centers(x, weights, params, len(x))
         tried.append(_refine(x[sample], weights[sample], x[sample][seeds], params))
     centers, assignment, rounds, _ = tried[lowest_cost([result[3] for result in tried])]

@@ -48,7 +48,7 @@ from kfed_spark.core.identity import (
 from kfed_spark.core.server_step import ServerClustering
 from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.runs.job import LabelledRows, k_sweep_column, package_versions, write_attempt
+from kfed_spark.runs.attempt import AttemptContext, LabelledRows, k_sweep_column, package_versions, write_attempt
 from kfed_spark.runtime import fault_injection
 from kfed_spark.runtime.failures import describe
 from kfed_spark.spark.columns import ADDED_COLUMNS
@@ -322,15 +322,10 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
         quarantine = tables.read("quarantine").filter(attempt_filter(run_id, row.attempt_id))
         quarantined = quarantine.filter(without(devices, cfg.input.device_col)).drop("run_id", "attempt_id")
         result, new_row = write_attempt(
-            tables,
-            attempt,
+            AttemptContext(tables, attempt, cfg, found.raw_schema, timer),
             new_row,
-            cfg,
-            found.raw_schema,
-            output_schemas(found.raw_schema, cfg.input.device_col),
             clustering,
             found.changes,
-            timer,
             lambda labelled, counted: copied_quarantine(quarantined, counted),
         )
         n_quarantined = quarantined.count()
