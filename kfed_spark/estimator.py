@@ -25,9 +25,10 @@ from kfed_spark.core.k_sweep import KSweep, k_values
 from kfed_spark.core.linalg import between_sse
 from kfed_spark.estimator_params import GeneratedParams, GeneratedSetters
 from kfed_spark.params import AlgorithmParams, camel
-from kfed_spark.spark.fitting import REASON_COL, LocalCenters, fit, labelled_plan
+from kfed_spark.spark.fitting import REASON_COL, LocalCenters, fit
+from kfed_spark.spark.labelling import labelled_plan
 from kfed_spark.spark.workers import SQ_DIST_COL
-from kfed_spark.store.delta import OutputTables, rows_frame
+from kfed_spark.store.delta import rows_frame
 from kfed_spark.store.models import (
     SAVED_LOCAL_CENTERS,
     SAVED_MODEL_ORIGIN,
@@ -36,6 +37,7 @@ from kfed_spark.store.models import (
     saved_cluster_ids,
     stored_model,
 )
+from kfed_spark.store.output import OutputTables
 
 ALGORITHM_PARAMS = {camel(spec.name): spec for spec in fields(AlgorithmParams)}
 """Estimator Param name -> the row of kfed_spark.params it stands for."""

@@ -17,7 +17,7 @@ from kfed_spark.config import InputConfig, KFedConfig, OutputConfig
 
 def published(spark, out, name):
     """The published rows of one output table (what every documented read path shows)."""
-    from kfed_spark.store.delta import OutputTables
+    from kfed_spark.store.output import OutputTables
 
     return OutputTables(spark, OutputConfig(path=str(out))).published(name)
 
@@ -37,7 +37,7 @@ def assert_commented(spark, path, name):
 
 def runs_of(spark, out):
     """Every attempt recorded under an output location, oldest first."""
-    from kfed_spark.store.delta import OutputTables
+    from kfed_spark.store.output import OutputTables
 
     return OutputTables(spark, OutputConfig(path=str(out))).read("runs").orderBy("started_at").collect()
 
@@ -98,7 +98,8 @@ def write_empty_config(tmp_path):
 def fitted_labels(raw, input_settings=None, **settings):
     """Fit k-FED to a DataFrame and label its rows through the fit layer alone (no table written):
     the Clustering and a pandas frame of every labelled row's columns, cluster_id and local_cluster_id."""
-    from kfed_spark.spark.fitting import fit, label_rows
+    from kfed_spark.spark.fitting import fit
+    from kfed_spark.spark.labelling import label_rows
 
     cfg = KFedConfig(input=InputConfig(**(input_settings or {})), **settings)
     cfg.check()
@@ -108,22 +109,28 @@ def fitted_labels(raw, input_settings=None, **settings):
 
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 
 
-def _readme_duckdb_view() -> str:
-    """The README's DuckDB view of the published labels, read out of the README so that they cannot drift."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def docs_page(name: str) -> str:
+    """A page of the docs, whose recipes the tests run as they are written there."""
+    return (DOCS / name).read_text(encoding="utf-8")
+
+
+def _docs_duckdb_view() -> str:
+    """The docs' DuckDB view of the published labels, read out of the page so that they cannot drift."""
+    text = docs_page("output-tables.md")
     start = text.index('duckdb.sql("""\nCREATE OR REPLACE VIEW published_labels') + len('duckdb.sql("""')
     return text[start : text.index('""")', start)]
 
 
-DUCKDB_PUBLISHED_LABELS = _readme_duckdb_view()
-"""The README's view of the published labels for DuckDB (over delta-rs datasets named labels and runs)."""
+DUCKDB_PUBLISHED_LABELS = _docs_duckdb_view()
+"""The docs' view of the published labels for DuckDB (over delta-rs datasets named labels and runs)."""
 
 
 def duckdb_published(out, name: str):
     """The published rows of output table `name` as DuckDB sees them without Spark: every table read with
-    delta-rs, and the README's view of the published labels (DUCKDB_PUBLISHED_LABELS) put on `name`."""
+    delta-rs, and the docs' view of the published labels (DUCKDB_PUBLISHED_LABELS) put on `name`."""
     import duckdb
     from deltalake import DeltaTable
 
@@ -138,9 +145,9 @@ def duckdb_published(out, name: str):
     return con.sql(f"SELECT * FROM published_{name}").to_arrow_table()
 
 
-def readme_device_profile_queries() -> list[str]:
-    """The README's two SQL queries on device_clusters: per-cluster training devices, client selection."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def docs_device_profile_queries() -> list[str]:
+    """The docs' two SQL queries on device_clusters: per-cluster training devices, client selection."""
+    text = docs_page("output-tables.md")
     start = text.index("```sql\n-- Devices to train each cluster's own model on") + len("```sql\n")
     return [query.strip() for query in text[start : text.index("```", start)].split(";") if query.strip()]
 
@@ -283,7 +290,7 @@ SUBMIT_CONF = {
 
 
 def spark_submit_job(config: Path, output: Path, master: str = "local[2]", env: dict | None = None):
-    """jobs/kfed_job.py under pyspark's own spark-submit, as the README's cluster section runs it (with the
+    """jobs/kfed_job.py under pyspark's own spark-submit, as the deployment page's cluster section runs it (with the
     Delta package matching the installed versions): the finished process, its output captured."""
     from kfed_spark.runtime.packaging import delta_package
 

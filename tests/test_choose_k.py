@@ -10,7 +10,7 @@ from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.runs.report import K_SWEEP_FILES
 from kfed_spark.runtime.fault_injection import FAULT_ENV
-from kfed_spark.store.delta import OutputTables
+from kfed_spark.store.output import OutputTables
 
 pytestmark = pytest.mark.spark
 

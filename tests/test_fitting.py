@@ -21,8 +21,8 @@ from helpers import (
 )
 from kfed_spark.cli import main
 from kfed_spark.config import InputConfig
-from kfed_spark.spark.fitting import label_rows
 from kfed_spark.spark.input import read_input
+from kfed_spark.spark.labelling import label_rows
 from kfed_spark.store.tables import TABLES
 
 pytestmark = pytest.mark.spark

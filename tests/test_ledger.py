@@ -53,7 +53,7 @@ def test_writes_to_one_table_on_a_local_disk_take_turns_across_processes(tmp_pat
     import threading
 
     from kfed_spark.config import OutputConfig
-    from kfed_spark.store.delta import OutputTables
+    from kfed_spark.store.output import OutputTables
 
     out = str(tmp_path / "out")
     holder = subprocess.Popen(
@@ -62,7 +62,7 @@ def test_writes_to_one_table_on_a_local_disk_take_turns_across_processes(tmp_pat
             "-c",
             "import sys\n"
             "from kfed_spark.config import OutputConfig\n"
-            "from kfed_spark.store.delta import OutputTables\n"
+            "from kfed_spark.store.output import OutputTables\n"
             f"with OutputTables(None, OutputConfig(path={out!r})).writing('runs'):\n"
             "    print('holding', flush=True)\n"
             "    sys.stdin.readline()\n",

@@ -88,7 +88,13 @@ LAYERS = (
     ("kfed_spark.store",),
     ("kfed_spark.runs",),
     ("kfed_spark.bench",),
-    ("kfed_spark.cli", "kfed_spark.estimator", "kfed_spark.estimator_params", "kfed_spark.params_codegen"),
+    (
+        "kfed_spark.cli",
+        "kfed_spark.commands",
+        "kfed_spark.estimator",
+        "kfed_spark.estimator_params",
+        "kfed_spark.params_codegen",
+    ),
 )
 """The package's layers, lowest first: the settings every layer reads; the numeric core; process plumbing
 (stopping, failures, packaging, test-only fault hooks); the Spark pipeline; the output location's

@@ -7,7 +7,7 @@ states a SIGKILL leaves at each commit point come from three processes that copy
 that kill leaves, and its attempt's process is gone by the time the test reads it. One re-run is killed
 for real, from outside, once its labels are committed.
 After each, the test reads what every documented read path shows: the published views that
-`kfed-spark sql` and `output.database` define, latest_labels, `kfed-spark report` and the README's
+`kfed-spark sql` and `output.database` define, latest_labels, `kfed-spark report` and the docs'
 DuckDB recipe.
 """
 
@@ -28,8 +28,8 @@ from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.errors import KFedError
 from kfed_spark.runtime.fault_injection import FAULT_ENV
-from kfed_spark.store.delta import OutputTables
 from kfed_spark.store.ledger import published_attempts
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import DATA_TABLES, RunRecord
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI

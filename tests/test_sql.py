@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from deltalake import DeltaTable
 
-from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, readme_device_profile_queries, run_cli
+from helpers import DUCKDB_PUBLISHED_LABELS, MIXTURE, N_ROWS, docs_device_profile_queries, run_cli
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
-from kfed_spark.store.delta import OutputTables
+from kfed_spark.store.output import OutputTables
 
 pytestmark = pytest.mark.spark
 
@@ -28,9 +28,9 @@ def test_sql_command_queries_the_tables_and_the_latest_run(spark, config_after_f
 
 
 def test_the_readme_s_device_profile_queries(spark, published_run, capsys):
-    """Per-cluster training devices and a client selection covering every cluster, as the README runs them."""
+    """Per-cluster training devices and a client selection covering every cluster, as the docs run them."""
     _, out = published_run
-    training, selection = readme_device_profile_queries()
+    training, selection = docs_device_profile_queries()
     tables = OutputTables(spark, OutputConfig(path=str(out)))
     tables.register_views()
     profiles = spark.sql("SELECT * FROM latest_device_clusters").toPandas()
@@ -62,14 +62,14 @@ def test_catalog_gets_a_latest_labels_view(spark, config, tmp_path):
 
 
 def test_duckdb_reads_the_published_labels_through_delta_rs(spark, config_after_first_run, tmp_path, monkeypatch):
-    """Without Spark: delta-rs opens the tables, DuckDB keeps the published attempts (the README's recipe)."""
+    """Without Spark: delta-rs opens the tables, DuckDB keeps the published attempts (the docs' recipe)."""
     config = config_after_first_run
     assert run_cli(config, "k=6") == 0  # a second attempt of the run id: the first is superseded
     monkeypatch.chdir(tmp_path)
-    # DuckDB reads these two by their Python names: the README's view selects FROM labels and runs.
+    # DuckDB reads these two by their Python names: the docs' view selects FROM labels and runs.
     labels = DeltaTable("out/labels").to_pyarrow_dataset()
     runs = DeltaTable("out/runs").to_pyarrow_dataset()  # noqa: F841
-    duckdb.sql(DUCKDB_PUBLISHED_LABELS)  # the view the README defines
+    duckdb.sql(DUCKDB_PUBLISHED_LABELS)  # the view the docs define
     counts = duckdb.sql(
         "SELECT cluster_id, count(*) AS n FROM published_labels WHERE run_id = 'first' GROUP BY ALL ORDER BY cluster_id"
     ).fetchall()

@@ -32,8 +32,8 @@ from kfed_spark.estimator import KFedModel
 from kfed_spark.runs.streaming import start
 from kfed_spark.runtime.fault_injection import FAULT_ENV
 from kfed_spark.runtime.stopping import STREAM_STOPPED
-from kfed_spark.store.delta import OutputTables
 from kfed_spark.store.models import stored_model
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import STREAM_TABLES
 
 MIXTURE_DDL = "row_id bigint, device_id bigint, features array<double>, true_cluster int"

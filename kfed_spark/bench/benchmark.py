@@ -22,7 +22,6 @@ import pyarrow.parquet as pq
 from kfed_spark.config import build_config
 from kfed_spark.core.metrics import adjusted_rand_index, cost_of_labels
 from kfed_spark.core.reference import federated_kmeans
-from kfed_spark.core.server_step import server_step
 from kfed_spark.params import DEFAULTS, AlgorithmParams
 from kfed_spark.spark.workers import feature_matrix
 from kfed_spark.store.tables import stats_columns
@@ -113,7 +112,7 @@ def planted(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     return x, table.column("device_id").to_numpy(), truth, cost_of_labels(x, truth)
 
 
-def _timed(fn):
+def timed(fn):
     start = time.perf_counter()
     value = fn()
     return value, time.perf_counter() - start
@@ -135,7 +134,7 @@ def run_kfed_spark(
     from pyspark.sql import functions as F
 
     from kfed_spark.runs.job import run
-    from kfed_spark.store.delta import OutputTables
+    from kfed_spark.store.output import OutputTables
 
     cfg = build_config(
         {
@@ -149,7 +148,7 @@ def run_kfed_spark(
             "report": False,  # timed here: read -> labels in Delta; the report is extra work
         }
     )
-    result, seconds = _timed(lambda: run(spark, cfg))
+    result, seconds = timed(lambda: run(spark, cfg))
     labels = (
         OutputTables(spark, cfg.output)
         .published("labels")
@@ -217,11 +216,11 @@ def time_spark_passes(spark, data: str, out: Path) -> dict[str, float]:
     new_delta_table(spark, out / "pass_copy", rows.schema)
     new_delta_table(spark, out / "pass_python", labelled.schema, labels_like_stats())
     passes = {}
-    _, passes["read -> Delta write"] = _timed(
+    _, passes["read -> Delta write"] = timed(
         lambda: rows.write.format("delta").mode("append").save(str(out / "pass_copy"))
     )
-    _, passes[SHUFFLE_PASS] = _timed(lambda: shuffle_by_device(rows))
-    _, passes[UDF_PASS] = _timed(lambda: labelled.write.format("delta").mode("append").save(str(out / "pass_python")))
+    _, passes[SHUFFLE_PASS] = timed(lambda: shuffle_by_device(rows))
+    _, passes[UDF_PASS] = timed(lambda: labelled.write.format("delta").mode("append").save(str(out / "pass_python")))
     passes[SHAPE_OF_KFED] = passes[SHUFFLE_PASS] + passes[UDF_PASS]
     return passes
 
@@ -302,12 +301,12 @@ def run_floor(data: str, out: Path, k: int, k_per_device: int, seed: int) -> tup
     table = pq.read_table(data)
     x = feature_matrix(table.column("features"))
     stages["read"] = time.perf_counter() - start
-    result, stages["cluster"] = _timed(
+    result, stages["cluster"] = timed(
         lambda: federated_kmeans(
             x, table.column("device_id").to_numpy(), AlgorithmParams(k=k, k_per_device=k_per_device, seed=seed)
         )
     )
-    _, stages["write"] = _timed(
+    _, stages["write"] = timed(
         lambda: pq.write_table(
             table.append_column("local_cluster_id", pa.array(result.local_labels, type=pa.int32())).append_column(
                 "cluster_id", pa.array(result.labels, type=pa.int32())
@@ -325,7 +324,7 @@ def run_floor(data: str, out: Path, k: int, k_per_device: int, seed: int) -> tup
 def run_sklearn(x: np.ndarray, k: int, seed: int) -> tuple[Entry, np.ndarray]:
     from sklearn.cluster import KMeans
 
-    model, seconds = _timed(lambda: KMeans(n_clusters=k, random_state=seed, n_init=1).fit(x))
+    model, seconds = timed(lambda: KMeans(n_clusters=k, random_state=seed, n_init=1).fit(x))
     return Entry("scikit-learn KMeans, all rows in one process", seconds, float(model.inertia_), 0.0), model.labels_
 
 
@@ -460,95 +459,3 @@ def benchmark(
         spark_passes,
         repeats,
     )
-
-
-def benchmark_server(devices: int, per_device: int, k: int, dim: int, seed: int) -> dict[str, float]:
-    """Time alg. 2 alone on devices x per_device local centers drawn around k means (no Spark), with
-    each seeding rule and refinement, and the ratio of each k-means++ time to the farthest-point one."""
-    rng = np.random.default_rng(seed)
-    means = rng.normal(0.0, 4.0, size=(k, dim))
-    centers = means[rng.integers(0, k, size=devices * per_device)] + 0.1 * rng.standard_normal(
-        (devices * per_device, dim)
-    )
-    counts = rng.integers(50, 150, size=devices * per_device)
-    device_ids = np.repeat(np.arange(devices), per_device)
-    local_ids = np.tile(np.arange(per_device), devices)
-    timings = {"local_centers": float(devices * per_device), "k": float(k)}
-    for refine in ("none", "lloyd"):
-        seconds = {}
-        for seeding in ("farthest", "kmeanspp"):
-            params = AlgorithmParams(k=k, seeding=seeding, server_refine=refine)
-            result, seconds[seeding] = _timed(lambda: server_step(centers, counts, device_ids, local_ids, params))
-            timings[f"seconds, seeding={seeding} server_refine={refine}"] = round(seconds[seeding], 3)
-            timings[f"refine rounds, seeding={seeding} server_refine={refine}"] = float(result.refine_iterations)
-            assigned = centers - result.centers[result.assignment]
-            timings[f"weighted cost, seeding={seeding} server_refine={refine}"] = float(
-                np.einsum("ij,ij->i", assigned, assigned) @ counts
-            )
-        timings[f"kmeanspp / farthest seconds, server_refine={refine}"] = round(
-            seconds["kmeanspp"] / seconds["farthest"], 3
-        )  # from the unrounded times: small runs take < 1 ms
-    return timings
-
-
-def generated_local_centers(spark, path: str, devices: int, per_device: int, k: int, dim: int, seed: int) -> None:
-    """Write devices x per_device local centers drawn around k means as Parquet, generated in the
-    executors (the driver never holds them), with the mean each one was drawn around (true_cluster)."""
-    from kfed_spark.bench.synthetic import MEAN_SCALE
-    from kfed_spark.core.linalg import device_rng
-    from kfed_spark.spark.workers import features_array
-
-    means = np.random.default_rng([seed, 0x5E]).normal(0.0, MEAN_SCALE, size=(k, dim))
-
-    def draw(batches):
-        for batch in batches:
-            ids = batch.column(0).to_numpy()
-            rng = device_rng(seed, int(ids[0]))
-            truth = rng.integers(0, k, size=len(ids))
-            yield pa.RecordBatch.from_arrays(
-                [
-                    pa.array(ids // per_device),
-                    pa.array((ids % per_device).astype(np.int32)),
-                    features_array(means[truth] + 0.1 * rng.standard_normal((len(ids), dim))),
-                    pa.array(rng.integers(50, 150, size=len(ids))),
-                    pa.array(truth.astype(np.int32)),
-                ],
-                names=["device_id", "local_cluster_id", "center", "n_points", "true_cluster"],
-            )
-
-    schema = "device_id long, local_cluster_id int, center array<double>, n_points long, true_cluster int"
-    partitions = max(2, devices * per_device // 250_000)
-    spark.range(0, devices * per_device, numPartitions=partitions).mapInArrow(draw, schema).write.mode(
-        "overwrite"
-    ).parquet(path)
-
-
-def benchmark_distributed_server(
-    spark, out: Path, devices: int, per_device: int, k: int, dim: int, seed: int
-) -> dict[str, float]:
-    """Time the distributed server step (kfed_spark.spark.distributed) on generated local centers read from
-    Parquet: the merge, then every local center's cluster written back as Parquet; with the ARI of
-    those clusters against the means the centers were drawn around, and the peak memory."""
-    from kfed_spark.core.metrics import ari_of
-    from kfed_spark.spark.distributed import global_centers, with_clusters
-
-    data = str(out / "local_centers")
-    generated_local_centers(spark, data, devices, per_device, k, dim, seed)
-    params = AlgorithmParams(k=k, seed=seed)
-    local = spark.read.parquet(data)
-    merged, merge_seconds = _timed(lambda: global_centers(local, dim, params))
-    _, assign_seconds = _timed(
-        lambda: with_clusters(local, merged.centers).write.mode("overwrite").parquet(str(out / "clustered"))
-    )
-    cells = spark.read.parquet(str(out / "clustered")).groupBy("true_cluster", "cluster_id").count().toPandas()
-    table = cells.pivot(index="true_cluster", columns="cluster_id", values="count").fillna(0).to_numpy()
-    return {
-        "local_centers": float(devices * per_device),
-        "k": float(k),
-        "representatives merged on the driver": float(len(merged.assignment)),
-        "seconds, representatives and merge": round(merge_seconds, 3),
-        "seconds, every local center's cluster (Parquet write)": round(assign_seconds, 3),
-        "seconds, distributed server step": round(merge_seconds + assign_seconds, 3),
-        "ARI against the generating means": round(ari_of(table), 6),
-        **{f"peak memory MB, {role}": round(mb) for role, mb in peak_memory_mb().items()},
-    }

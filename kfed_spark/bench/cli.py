@@ -296,7 +296,8 @@ def require_sklearn(command: str, hint: str) -> None:
 
 
 def command_bench_server(args: argparse.Namespace) -> int:
-    from kfed_spark.bench.benchmark import bench_session, benchmark_distributed_server, benchmark_server
+    from kfed_spark.bench.benchmark import bench_session
+    from kfed_spark.bench.server import benchmark_distributed_server, benchmark_server
 
     if args.distributed:
         spark = bench_session("kfed-spark-bench-server", args.driver_memory)

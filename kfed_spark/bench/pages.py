@@ -1,12 +1,16 @@
 """The benchmarks' result pages: each bench command writes its markdown under a header that says where the
 figures come from (commit, date, machine, the versions that run, the exact command), so that a page is
 never copied by hand and a reader can tell which code and which machine measured it.
+
+The README's headline is the speed page's fresh-process tables, copied by `python -m kfed_spark.bench.pages`
+between its GENERATED lines; tests/test_docs.py fails while the two differ.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -15,6 +19,12 @@ from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 """The source checkout this package runs from (when it runs from one)."""
+README = REPOSITORY / "README.md"
+SPEED_PAGE = REPOSITORY / "docs" / "benchmarks" / "speed.md"
+HEADLINE = re.compile(r"(<!-- BEGIN GENERATED headline -->\n).*?(<!-- END GENERATED headline -->\n)", re.S)
+FRESH_SECTION = "## Fresh processes"
+PROVENANCE_ROW = re.compile(r"^\| (command|commit|date|machine|Java|Spark, Delta|Python, numpy) \| (.+) \|$", re.M)
+"""A row of a page's provenance table (provenance() writes them)."""
 
 
 def git(*args: str) -> str | None:
@@ -103,3 +113,22 @@ def write_page(text: str, targets: list[Path], figures: dict[str, bytes] | None 
 def command_line(command: str) -> str:
     """The command as the user typed it, for a page's header."""
     return "kfed-spark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == [command] else f"kfed-spark {command}"
+
+
+def headline(speed_page: str) -> str:
+    """The speed page's fresh-process tables (contenders, then ratios), under the commit, date and machine."""
+    stamp = dict(PROVENANCE_ROW.findall(speed_page))
+    fresh = speed_page[speed_page.index(FRESH_SECTION) :]
+    tables = re.findall(r"(?:^\|.*\|\n)+", fresh, re.M)[:2]
+    return f"{stamp['date']}, commit {stamp['commit']}, {stamp['machine']}:\n\n" + "\n".join(tables)
+
+
+def rewritten_readme(readme: str, speed_page: str) -> str:
+    """The README with its headline block as headline() writes it from the speed page."""
+    if not HEADLINE.search(readme):
+        raise ValueError("README.md has no generated block 'headline'")
+    return HEADLINE.sub(lambda match: match.group(1) + headline(speed_page) + match.group(2), readme)
+
+
+if __name__ == "__main__":
+    README.write_text(rewritten_readme(README.read_text(), SPEED_PAGE.read_text()))

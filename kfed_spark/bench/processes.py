@@ -181,19 +181,31 @@ def ari_against(truth_by_row: np.ndarray, folder: Path) -> float:
     return adjusted_rand_index(truth_by_row[table.column("row_id").to_numpy()], table.column("cluster_id").to_numpy())
 
 
-def benchmark_fresh(
-    data: str,
-    out: Path,
-    k: int,
-    k_per_device: int,
-    seed: int,
-    command: str,
-    master: str = "local[2]",
-    driver_memory: str = "2g",
-) -> FreshReport:
+@dataclass(frozen=True)
+class FreshSetup:
+    """What every contender of the fresh-process benchmark runs against: the input, the folders, the k-FED
+    configs (the untimed setup run's and the timed run's), the commands and the planted clusters by row."""
+
+    data: str
+    out: Path
+    location: Path  # the k-FED output location
+    configs: dict[str, Path]
+    kfed: list[str]  # kfed-spark, by its absolute path
+    contender: list[str]  # python -m kfed_spark.bench.contenders
+    common: list[str]  # the contenders' shared arguments
+    truth_by_row: np.ndarray
+
+    def timed(self, name: str, command: list[str], log: str) -> tuple[float, str, dict[str, float]]:
+        return timed_process(name, command, self.out / "logs" / log)
+
+
+def fresh_setup(
+    data: str, out: Path, k: int, k_per_device: int, seed: int, master: str, driver_memory: str
+) -> tuple[FreshSetup, int, int, int]:
+    """The setup every contender shares, and the input's rows, devices and dimension. A first run on
+    SETUP_DEVICES devices creates the k-FED location untimed, as a scheduled run finds it."""
     out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
     table = pq.read_table(data, columns=["row_id", "device_id", "true_cluster"])
     truth_by_row = np.empty(len(table), dtype=np.int64)
     truth_by_row[table.column("row_id").to_numpy()] = table.column("true_cluster").to_numpy()
@@ -215,80 +227,76 @@ def benchmark_fresh(
         configs[role].write_text(
             yaml.safe_dump(kfed_config(source, location, k, k_per_device, seed, master, driver_memory), sort_keys=False)
         )
-    kfed = kfed_command()
-    contender = [sys.executable, "-m", "kfed_spark.bench.contenders"]
-    common = [
-        "--data",
+    common = ["--data", data, "--out", str(out), "--k", str(k), "--seed", str(seed)]
+    common += ["--master", master, "--driver-memory", driver_memory]
+    setup = FreshSetup(
         data,
-        "--out",
-        str(out),
-        "--k",
-        str(k),
-        "--seed",
-        str(seed),
-        "--master",
-        master,
-        "--driver-memory",
-        driver_memory,
-    ]
-    timed_process("setup", [*contender, "setup", *common, "--kfed-config", str(configs["setup"])], logs / "setup.log")
-
-    runs = []
-    run_id = f"bench-{time.strftime('%Y%m%dT%H%M%S')}"
-    read_into_file_cache(data)
-    seconds, stdout, peaks = timed_process(
-        "k-FED",
-        [*kfed, "run", "--config", str(configs["timed"]), "--set", f"run_id={run_id}", "--json"],
-        logs / "kfed.log",
+        out,
+        location,
+        configs,
+        kfed_command(),
+        [sys.executable, "-m", "kfed_spark.bench.contenders"],
+        common,
+        truth_by_row,
     )
+    setup.timed("setup", [*setup.contender, "setup", *common, "--kfed-config", str(configs["setup"])], "setup.log")
+    return setup, len(table), len(device_ids), dim
+
+
+def time_kfed(setup: FreshSetup) -> tuple[ProcessRun, dict]:
+    """`kfed-spark run`, a new run id into the existing location; its run's JSON figures."""
+    run_id = f"bench-{time.strftime('%Y%m%dT%H%M%S')}"
+    read_into_file_cache(setup.data)
+    command = [*setup.kfed, "run", "--config", str(setup.configs["timed"]), "--set", f"run_id={run_id}", "--json"]
+    seconds, stdout, peaks = setup.timed("k-FED", command, "kfed.log")
     result = last_json_line(stdout)
     stages = with_rest(result["timings"], seconds, "process start, imports and exit")
-    labels = location / "labels" / f"run_id={run_id}" / f"attempt_id={result['attempt_id']}"
-    runs.append(ProcessRun(KFED, seconds, stages, peaks, result["cost"], ari_against(truth_by_row, labels)))
+    labels = setup.location / "labels" / f"run_id={run_id}" / f"attempt_id={result['attempt_id']}"
+    return ProcessRun(KFED, seconds, stages, peaks, result["cost"], ari_against(setup.truth_by_row, labels)), result
 
+
+def time_sweep(setup: FreshSetup, result: dict) -> tuple[ProcessRun, dict, int]:
+    """`kfed-spark choose-k` over the k-FED run's local centers; its JSON and the top k swept."""
     top = min(SWEEP_KS[1], result["n_local_centers"])
-    seconds, stdout, peaks = timed_process(
-        "k sweep",
-        [*kfed, "choose-k", "--output", str(location), "--run", run_id, "--k", f"{SWEEP_KS[0]}:{top}", "--json"],
-        logs / "choose-k.log",
-    )
+    command = [*setup.kfed, "choose-k", "--output", str(setup.location), "--run", result["run_id"]]
+    seconds, stdout, peaks = setup.timed("k sweep", [*command, "--k", f"{SWEEP_KS[0]}:{top}", "--json"], "choose-k.log")
     swept = last_json_line(stdout)
     sweep_seconds = sum(f["seconds"] for f in swept["figures"])
-    runs.append(
-        ProcessRun(
-            f"{SWEEP}, k = {SWEEP_KS[0]}..{top}",
-            seconds,
-            {
-                "server steps and figures": round(sweep_seconds, 3),
-                "process start, reading the run, report files and exit": round(seconds - sweep_seconds, 3),
-            },
-            peaks,
-        )
-    )
+    stages = {
+        "server steps and figures": round(sweep_seconds, 3),
+        "process start, reading the run, report files and exit": round(seconds - sweep_seconds, 3),
+    }
+    return ProcessRun(f"{SWEEP}, k = {SWEEP_KS[0]}..{top}", seconds, stages, peaks), swept, top
 
+
+def time_contender(setup: FreshSetup, name: str, role: str, labels: Path | None = None) -> ProcessRun:
+    """One of the contenders' own processes (MLlib, the bare passes), the input read into the file cache first."""
+    read_into_file_cache(setup.data)
+    seconds, stdout, peaks = setup.timed(name, [*setup.contender, role, *setup.common], f"{role}.log")
+    figures = last_json_line(stdout)
+    stages = with_rest(figures["stages"], seconds, "process start, imports and exit")
+    if labels is None:
+        return ProcessRun(PASSES, seconds, stages, peaks)
+    return ProcessRun(MLLIB, seconds, stages, peaks, figures["cost"], ari_against(setup.truth_by_row, labels))
+
+
+def benchmark_fresh(
+    data: str,
+    out: Path,
+    k: int,
+    k_per_device: int,
+    seed: int,
+    command: str,
+    master: str = "local[2]",
+    driver_memory: str = "2g",
+) -> FreshReport:
+    """Each contender as a process of its own, one after the other, on the same input."""
+    setup, rows, devices, dim = fresh_setup(data, out, k, k_per_device, seed, master, driver_memory)
+    kfed_run, result = time_kfed(setup)
+    sweep_run, swept, top = time_sweep(setup, result)
     shutil.rmtree(out / MLLIB_LABELS, ignore_errors=True)
-    read_into_file_cache(data)
-    seconds, stdout, peaks = timed_process("MLlib", [*contender, "mllib", *common], logs / "mllib.log")
-    figures = last_json_line(stdout)
-    runs.append(
-        ProcessRun(
-            MLLIB,
-            seconds,
-            with_rest(figures["stages"], seconds, "process start, imports and exit"),
-            peaks,
-            figures["cost"],
-            ari_against(truth_by_row, out / MLLIB_LABELS),
-        )
-    )
-
-    read_into_file_cache(data)
-    seconds, stdout, peaks = timed_process("bare passes", [*contender, "passes", *common], logs / "passes.log")
-    figures = last_json_line(stdout)
-    runs.append(
-        ProcessRun(PASSES, seconds, with_rest(figures["stages"], seconds, "process start, imports and exit"), peaks)
-    )
-
-    kfed_run, sweep_run, mllib_run, passes_run = runs
+    mllib_run = time_contender(setup, "MLlib", "mllib", out / MLLIB_LABELS)
+    passes_run = time_contender(setup, "bare passes", "passes")
     ratios = {
         "MLlib / k-FED, wall time": mllib_run.seconds / kfed_run.seconds,
         f"k sweep of {top - SWEEP_KS[0] + 1} ks / one MLlib read and fit at k = {k}, wall time": sweep_run.seconds
@@ -301,7 +309,8 @@ def benchmark_fresh(
         "input once into the file cache; peak memory is sampled every 0.25 s over the process tree.",
         f"The k sweep recommended k = {swept['recommended_k']} ({swept['rule']}); the input's true k is {k}.",
     ]
-    return FreshReport(len(table), len(device_ids), dim, k, k_per_device, runs, ratios, command, notes)
+    runs = [kfed_run, sweep_run, mllib_run, passes_run]
+    return FreshReport(rows, devices, dim, k, k_per_device, runs, ratios, command, notes)
 
 
 JOB_STAGES = (

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture,
 from kfed_spark.core.k_sweep import k_values, sweep
 from kfed_spark.core.linalg import device_rng
 from kfed_spark.core.metrics import ari_of, contingency, cost_of_labels, nmi_of
-from kfed_spark.core.reference import federated_kmeans, local_clusterings
+from kfed_spark.core.reference import DeviceClusterings, federated_kmeans, local_clusterings
 from kfed_spark.params import DEFAULTS, LABEL_MODES, SEEDING_RULES, AlgorithmParams
 from kfed_spark.spark.workers import feature_matrix, features_array
 
@@ -233,6 +234,10 @@ def privacy_rows(problem: Problem, seed: int, k_z: int, sklearn_cost: float, wit
     return found
 
 
+Add = Callable[[str, str, np.ndarray, float], None]
+"""Records one method's labels of a problem: (method, k_per_device as text, labels, seconds)."""
+
+
 def evaluate(
     spark, problem: Problem, seed: int, folder: Path
 ) -> tuple[list[QualityRow], KChoiceRow, SupportRow, list[PrivacyRow]]:
@@ -240,6 +245,7 @@ def evaluate(
 
     def add(method: str, k_per_device: str, labels: np.ndarray, seconds: float) -> None:
         cells = contingency(problem.truth, labels)
+        cost = cost_of_labels(problem.x, labels)
         rows.append(
             QualityRow(
                 problem.name,
@@ -248,13 +254,28 @@ def evaluate(
                 k_per_device,
                 ari_of(cells),
                 nmi_of(cells),
-                cost_of_labels(problem.x, labels),
+                cost,
                 0.0,
                 round(seconds, 2),
             )
         )
 
     k_z = min(K_PER_DEVICE.get(problem.name, 2), problem.k)
+    choice, default_local = combinations(problem, k_z, seed, add)
+    every_local = defaults_and_variants(problem, k_z, seed, add)
+    add("Spark MLlib KMeans (k-means||)", "-", *mllib_labels(spark, problem, seed, folder))
+    add("scikit-learn KMeans (k-means++)", "-", *sklearn_labels(problem, seed))
+    reference = rows[-1].cost
+    for row in rows:
+        row.cost_ratio = row.cost / reference if reference else float("nan")
+    by_method = {row.method: row for row in rows}
+    support = support_row(problem, by_method, default_local, every_local)
+    nearest = by_method[combination_name(*DEFAULT_COMBINATION[:3], "nearest")]  # the defaults, nearest labels
+    return rows, choice, support, privacy_rows(problem, seed, k_z, reference, nearest.ari)
+
+
+def combinations(problem: Problem, k_z: int, seed: int, add: Add) -> tuple[KChoiceRow, DeviceClusterings]:
+    """Every combination of COMBINATIONS; the k sweep's choice and the default restarts' local step."""
     for restarts in RESTARTS_TRIED:  # the local step depends on the restarts only: run it once for each
         start = time.perf_counter()
         local_params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed, local_restarts=restarts)
@@ -281,9 +302,14 @@ def evaluate(
                 result.labels,
                 local_seconds + time.perf_counter() - start,
             )
+    return choice, default_local
+
+
+def defaults_and_variants(problem: Problem, k_z: int, seed: int, add: Add) -> DeviceClusterings:
+    """The defaults with k_per_device auto, a warm start from the day before, and every local center shared;
+    the local step of the last."""
     start = time.perf_counter()
-    params = AlgorithmParams(k=problem.k, k_per_device="auto", seed=seed)
-    result = federated_kmeans(problem.x, problem.devices, params)
+    result = federated_kmeans(problem.x, problem.devices, AlgorithmParams(k=problem.k, k_per_device="auto", seed=seed))
     add("k-FED default settings", "auto", result.labels, time.perf_counter() - start)
     params = AlgorithmParams(k=problem.k, k_per_device=k_z, seed=seed)
     yesterday = federated_kmeans(
@@ -297,15 +323,16 @@ def evaluate(
     every_local = local_clusterings(problem.x, problem.devices, every_params)
     every = federated_kmeans(problem.x, problem.devices, every_params, every_local)
     add(SHARE_ALL, str(k_z), every.labels, time.perf_counter() - start)
-    add("Spark MLlib KMeans (k-means||)", "-", *mllib_labels(spark, problem, seed, folder))
-    add("scikit-learn KMeans (k-means++)", "-", *sklearn_labels(problem, seed))
-    reference = rows[-1].cost
-    for row in rows:
-        row.cost_ratio = row.cost / reference if reference else float("nan")
-    by_method = {row.method: row for row in rows}
+    return every_local
+
+
+def support_row(
+    problem: Problem, by_method: dict[str, QualityRow], default_local: DeviceClusterings, every_local: DeviceClusterings
+) -> SupportRow:
+    """What minimum support held back with the defaults, against sharing every local center."""
     default, sharing_all = by_method[combination_name(*DEFAULT_COMBINATION)], by_method[SHARE_ALL]
     n_devices = len(np.unique(problem.devices))
-    support = SupportRow(
+    return SupportRow(
         problem.name,
         len(problem.x),
         len(problem.x) - int(default_local.counts.sum()),
@@ -318,8 +345,6 @@ def evaluate(
         default.cost_ratio,
         sharing_all.cost_ratio,
     )
-    nearest = by_method[combination_name(*DEFAULT_COMBINATION[:3], "nearest")]  # the defaults, nearest labels
-    return rows, choice, support, privacy_rows(problem, seed, k_z, reference, nearest.ari)
 
 
 def mllib_labels(spark, problem: Problem, seed: int, folder: Path) -> tuple[np.ndarray, float]:

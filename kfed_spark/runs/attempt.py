@@ -27,18 +27,14 @@ from kfed_spark.errors import KFedError
 from kfed_spark.runs import report
 from kfed_spark.runtime import fault_injection
 from kfed_spark.spark.columns import labelled_fields
-from kfed_spark.spark.fitting import (
-    REASON_COL,
-    Clustering,
-    LocalCenters,
-    StageTimer,
-    label_rows,
-)
+from kfed_spark.spark.fitting import REASON_COL, Clustering, LocalCenters, StageTimer
 from kfed_spark.spark.input import absolute
+from kfed_spark.spark.labelling import label_rows
 from kfed_spark.spark.session import in_background
 from kfed_spark.spark.workers import EVALUATION_COL, SQ_DIST_COL
-from kfed_spark.store.delta import OutputTables, rows_frame
+from kfed_spark.store.delta import rows_frame
 from kfed_spark.store.ledger import Attempt
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import (
     CENTERS_COLUMNS,
     CENTERS_FIELDS,

@@ -61,9 +61,10 @@ from kfed_spark.spark.fitting import (
     merged_on_driver,
     validated,
 )
-from kfed_spark.store.delta import OutputTables, attempt_filter, concurrently
+from kfed_spark.store.delta import attempt_filter, concurrently
 from kfed_spark.store.ledger import Ledger, new_attempt_id, published_attempts
 from kfed_spark.store.models import SAVED_MODEL_ORIGIN, StoredModel, attempt_model, finished_model, reference_run
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import RunRecord, output_schemas, stats_columns
 
 log = logging.getLogger("kfed_spark")

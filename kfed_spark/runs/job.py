@@ -44,21 +44,13 @@ from kfed_spark.runs.attempt import (
 )
 from kfed_spark.runtime import fault_injection
 from kfed_spark.runtime.failures import describe
-from kfed_spark.spark.fitting import (
-    REASON_COL,
-    Clustering,
-    LocalCenters,
-    StageTimer,
-    extend_with_new_devices,
-    fit_checked,
-    label_rows,
-    validated,
-)
+from kfed_spark.spark.fitting import REASON_COL, Clustering, LocalCenters, StageTimer, fit_checked, validated
 from kfed_spark.spark.input import read_input
+from kfed_spark.spark.labelling import extend_with_new_devices, label_rows
 from kfed_spark.spark.session import in_background
-from kfed_spark.store.delta import OutputTables
 from kfed_spark.store.ledger import Ledger, highest_cluster_id, new_attempt_id, reference_attempt
 from kfed_spark.store.models import StoredModel, finished_model, reference_run
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import (
     TABLES,
     RunRecord,

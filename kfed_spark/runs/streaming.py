@@ -28,10 +28,11 @@ from pyspark.sql.streaming import StreamingQuery
 
 from kfed_spark.config import KFedConfig
 from kfed_spark.runtime import fault_injection
-from kfed_spark.spark.fitting import REASON_COL, labelled_plan
+from kfed_spark.spark.fitting import REASON_COL
 from kfed_spark.spark.input import absolute, read_input
-from kfed_spark.store.delta import OutputTables
+from kfed_spark.spark.labelling import labelled_plan
 from kfed_spark.store.models import StoredModel
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import STREAM_TABLES, stream_schemas, stream_stats_columns
 
 log = logging.getLogger("kfed_spark")

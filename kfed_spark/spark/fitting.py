@@ -1,10 +1,10 @@
 """k-FED fitted to a DataFrame and rows labelled with it: what the job and the estimator share.
 
 Feature preparation (validated), alg. 1 on every device in the executors (collect_local_centers),
-alg. 2 on the driver (fit), devices a model has not seen (extend_with_new_devices) and the
-labelling pass (label_rows). Nothing is written here, and the only table read is the side table
+alg. 2 on the driver (fit); devices a model has not seen and the labelling pass are
+kfed_spark.spark.labelling. Nothing is written here, and the only table read is the side table
 k_per_device may name (input.read_side_table); the functions Spark runs in the Python workers are in
-kfed_spark.spark.workers, the numpy in kfed_spark.kernels.
+kfed_spark.spark.workers, the numpy in kfed_spark.core.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,21 +23,16 @@ from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.functions import arrow_udf
 from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import (
     ArrayType,
-    BinaryType,
-    BooleanType,
     DoubleType,
-    IntegerType,
     NumericType,
     StructField,
     StructType,
 )
 
 from kfed_spark.config import KFedConfig
-from kfed_spark.core.evaluation import EvaluationSpec
 from kfed_spark.core.identity import ClusterSummary
 from kfed_spark.core.k_sweep import KSweep, k_values, sweep
 from kfed_spark.core.labels import LabelModel
@@ -50,13 +45,8 @@ from kfed_spark.spark.columns import ADDED_COLUMNS, LOCAL_CENTER_FIELDS
 from kfed_spark.spark.distributed import global_centers, with_clusters
 from kfed_spark.spark.input import read_side_table
 from kfed_spark.spark.workers import (
-    EVALUATION_COL,
-    LABEL_FIELDS,
-    NON_FINITE,
-    SQ_DIST_COL,
     LocalStepSpec,
     feature_matrix,
-    label_arrays,
     local_centers_from_batches,
 )
 
@@ -73,18 +63,6 @@ FEATURES_SOURCE = "kfed_features_source"
 
 
 DIMENSION_SAMPLE_ROWS = 10_000
-
-LABELS_COL = "__kfed_labels"
-"""Internal column: what workers.label_arrays returns for the row, a struct of LABELS_TYPE."""
-
-LABELS_TYPE = StructType(
-    [
-        StructField(name, kind, True)
-        for name, kind in zip(
-            LABEL_FIELDS, [IntegerType(), IntegerType(), DoubleType(), DoubleType(), BooleanType(), BinaryType()]
-        )
-    ]
-)
 
 
 class StageTimer:
@@ -457,72 +435,3 @@ def k_side_table(spark: SparkSession, source: str, device_col: str) -> DataFrame
             f"{device_col!r} and 'k' (its columns: {', '.join(side.columns)})"
         )
     return side
-
-
-def extend_with_new_devices(
-    valid: DataFrame, cfg: KFedConfig, dim: int, local: LocalCenters, assignment: np.ndarray, centers: np.ndarray
-) -> tuple[LocalCenters, np.ndarray]:
-    """Run alg. 1 on the devices of `valid` that `local` does not hold, and give each of their local
-    centers the nearest global center: O(k_z k) distance work per new device, no other device touched."""
-    device_col = cfg.input.device_col
-    device_type = valid.schema[device_col].dataType
-    known = valid.sparkSession.createDataFrame(
-        pa.table({"known_device": pa.array(np.unique(local.devices).tolist())})
-    ).select(F.col("known_device").cast(device_type))
-    new_rows = valid.join(F.broadcast(known), valid[device_col] == known["known_device"], "left_anti")
-    if new_rows.isEmpty():
-        return local, assignment
-    new = collect_local_centers(new_rows, cfg, dim, device_type)
-    log.info("%d devices the model had not seen: %d local centers", len(np.unique(new.devices)), len(new.counts))
-    return local.joined(new, assignment, centers)
-
-
-def labelled_plan(rows: DataFrame, cfg: KFedConfig, model: LabelModel, dim: int) -> DataFrame:
-    """The rows (streaming or not) checked and labelled with a finished model: a plan, no Spark job
-    (the dimension is the model's). What KFedModel.transform and `kfed-spark stream` run."""
-    checked, _ = validated(rows, cfg, dim)
-    return label_rows(checked, model, rows.schema, cfg.input.device_col, dim)
-
-
-def label_rows(
-    rows: DataFrame,
-    model: LabelModel,
-    raw_schema: StructType,
-    device_col: str,
-    dim: int,
-    evaluation: EvaluationSpec | None = None,
-) -> DataFrame:
-    """Every row with its local and global cluster, its squared distance and its reason (null if labelled);
-    with an evaluation spec also EVALUATION_COL, which each partition's last row fills.
-
-    Only the device, the features (and the truth, for the evaluation) cross to Python, in a scalar
-    Arrow UDF (workers.label_arrays); every other column stays in the JVM. The UDF is marked
-    nondeterministic so that Spark calls it once per row, never once per field it returns (and the
-    evaluation it gathers depends on how the rows are partitioned).
-    """
-    truth = [] if evaluation is None or evaluation.truth_col is None else [F.col(evaluation.truth_col)]
-
-    def label_partition(batches: Iterator[tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
-        return label_arrays(batches, model, dim, evaluation)
-
-    labeller = arrow_udf(label_partition, LABELS_TYPE).asNondeterministic()  # type hints: a SCALAR_ITER UDF
-    labelled = rows.withColumn(
-        LABELS_COL, labeller(F.col(REASON_COL).isNull(), F.col(device_col), F.col(FEATURES_COL), *truth)
-    )
-    keep_as = rows.schema[FEATURES_COL].metadata.get(FEATURES_SOURCE)
-    label = F.col(LABELS_COL)
-    reason = F.coalesce(F.col(REASON_COL), F.when(label["non_finite"], F.lit(NON_FINITE)))
-    gathered = [] if evaluation is None else [label[EVALUATION_COL].alias(EVALUATION_COL)]
-    return labelled.select(
-        *[
-            F.col(FEATURES_COL).alias(f.name, metadata={}) if f.name == keep_as else F.col(f.name)
-            for f in raw_schema.fields
-        ],
-        label["local_cluster_id"].alias("local_cluster_id"),
-        label["cluster_id"].alias("cluster_id"),
-        F.sqrt(label[SQ_DIST_COL]).alias("distance"),
-        label["margin"].alias("margin"),
-        label[SQ_DIST_COL].alias(SQ_DIST_COL),
-        *gathered,
-        reason.alias(REASON_COL),
-    )

@@ -1,11 +1,10 @@
-"""All Delta Lake reads and writes of the output location.
+"""Delta Lake reads and writes of one output location: a table's path, creation, locked writes and VACUUM,
+and the rows and schemas as Delta stores them. kfed_spark.store.output builds the location's checks,
+appends, reports and views on these.
 
 Only SQL and DataFrame reads and writes: no DeltaTable Python API, which Spark Connect lacks without
-Delta's Connect plugin on the server.
-
-What the tables hold (names, schemas, comments, partitioning, statistics columns, the published rule)
-is kfed_spark.store.tables; this module creates, checks, appends to and reads them, and defines the views
-readers go through (an attempt's rows count once the `runs` table publishes it: kfed_spark.store.ledger).
+Delta's Connect plugin on the server. What the tables hold (names, schemas, comments, partitioning,
+statistics columns, the published rule) is kfed_spark.store.tables.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import fcntl
 import logging
 import os
 import re
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,12 +30,8 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ArrayType, DataType, DoubleType, MapType, StructField, StructType, UserDefinedType
 
 from kfed_spark.config import OutputConfig
-from kfed_spark.errors import AttemptConflict, KFedError, first_line
 from kfed_spark.spark.input import URI_PATTERN, absolute
 from kfed_spark.store.tables import (
-    DATA_TABLES,
-    LATEST_ATTEMPT,
-    PUBLISHED_ATTEMPTS,
     STREAM_TABLES,
     TABLE_COMMENTS,
     TABLES,
@@ -140,7 +134,7 @@ def sql_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _filesystem(path: str) -> tuple[pafs.FileSystem, str] | None:
+def filesystem_of(path: str) -> tuple[pafs.FileSystem, str] | None:
     """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://) and the path in it;
     None for a scheme pyarrow does not know (s3a:, abfss:), where the checks that need it are skipped."""
     try:
@@ -258,312 +252,6 @@ class TableStore:
             else:
                 self.spark.conf.set(listing, before)
         return names
-
-
-class LocationChecks(TableStore):
-    """The checks made before any work (intact logs, the same schemas, a writable folder), and
-    preparing the location: adding the columns an older version lacks, creating missing tables."""
-
-    def check_writable(self) -> None:
-        """The output location is a folder this process can create files in (a probe file is made
-        and removed), or a one-line error. Skipped for schemes pyarrow does not know."""
-        located = _filesystem(self.root)
-        if located is None:
-            return
-        filesystem, root = located
-        if filesystem.get_file_info(root).type == pafs.FileType.File:
-            raise KFedError(f"output.path {self.root} is a file, not a folder")
-        probe = f"{root}/.kfed-write-check-{uuid.uuid4().hex}"
-        try:
-            filesystem.create_dir(root, recursive=True)
-            with filesystem.open_output_stream(probe) as out:
-                out.write(b"")
-            filesystem.delete_file(probe)
-        except OSError as exc:
-            raise KFedError(f"cannot write under output.path {self.root}: {first_line(exc)}") from None
-
-    def check_log(self, name: str) -> bool:
-        """Whether a Delta table is at the table's path; a folder there that is not an intact Delta
-        table (files but no _delta_log, or a log missing commits) is refused with a one-line error."""
-        located = _filesystem(self.path(name))
-        if located is None:
-            return self.exists(name)
-        filesystem, path = located
-        kind = filesystem.get_file_info(path).type
-        if kind == pafs.FileType.NotFound:
-            return False
-        if kind != pafs.FileType.Directory:
-            raise KFedError(f"output table path {self.path(name)} is a file, not a Delta table")
-        entries = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-        if not any(e.base_name == "_delta_log" for e in entries):
-            if entries:
-                raise KFedError(
-                    f"output table path {self.path(name)} holds files but no Delta log; use another output.path"
-                )
-            return False
-        versions: dict[str, set[int]] = {"json": set(), "checkpoint": set(), "crc": set()}
-        for entry in filesystem.get_file_info(pafs.FileSelector(f"{path}/_delta_log")):
-            match = LOG_ENTRY.match(entry.base_name)
-            if match:
-                versions[match.group(2).split(".")[0]].add(int(match.group(1)))
-        commits, checkpoints = versions["json"], versions["checkpoint"]
-        newest = max(commits | checkpoints | versions["crc"], default=None)
-        first = max(checkpoints) + 1 if checkpoints else 0
-        missing = [] if newest is None else [v for v in range(first, newest + 1) if v not in commits]
-        if newest is None or missing:
-            lacking = f"version(s) {', '.join(map(str, missing[:5]))}" if missing else "any commit"
-            raise KFedError(
-                f"output table {self.path(name)} is damaged: its Delta log lacks {lacking}; restore the log "
-                "or use another output.path (nothing was written)"
-            )
-        return True
-
-    def check_schema(self, name: str, schema: StructType) -> list[StructField]:
-        """Fail before any work if a table already at the location has another schema. Returns the
-        nullable columns this version added that the table lacks (an older version wrote it), which
-        prepare adds."""
-        try:
-            existing_schema = self.read(name).schema
-        except AnalysisException as exc:
-            raise KFedError(f"cannot read output table {self.path(name)}: {first_line(exc)}") from None
-        stored = [stored_field(name, f) for f in schema.fields]
-        existing = {(f.name, f.dataType.simpleString()) for f in existing_schema.fields}
-        wanted = {(f.name, f.dataType.simpleString()) for f in stored}
-        added = [f for f in stored if (f.name, f.dataType.simpleString()) in wanted - existing]
-        if existing != wanted and not (existing < wanted and all(f.nullable for f in added)):
-            extra = sorted(n for n, _ in existing - wanted)
-            missing = sorted(n for n, _ in wanted - existing)
-            raise KFedError(
-                f"output table {self.path(name)} holds another schema (columns only in the table: "
-                f"{extra or 'none'}; only in this run: {missing or 'none'}); use another output.path"
-            )
-        return added
-
-    def _add_columns(self, name: str, added: list[StructField]) -> None:
-        columns = ", ".join(column_ddl(f) for f in added)  # check_schema's fields: stored_field's, with comments
-        try:
-            with self.writing(name):
-                self.spark.sql(f"ALTER TABLE delta.`{self.path(name)}` ADD COLUMNS ({columns})")
-            log.info("added %s to %s", ", ".join(f.name for f in added), self.path(name))
-        except AnalysisException:  # another run may have added them at the same moment
-            if not {f.name for f in added} <= set(self.read(name).schema.names):
-                raise
-
-    def check(self, schemas: dict[str, StructType]) -> dict[str, list[StructField] | None]:
-        """Check every table of the location (intact log, same schema), reading only. Returns, per table,
-        None if it is not there yet, else the nullable columns this version added that it lacks (an
-        older version wrote it). The tables' logs are read at once."""
-        present = concurrently(self.check_log, list(schemas))
-        added = concurrently(lambda name: self.check_schema(name, schemas[name]), [n for n in schemas if present[n]])
-        return {name: added.get(name) for name in schemas}
-
-    def prepare(
-        self,
-        schemas: dict[str, StructType],
-        stats_columns: dict[str, list[str]] | None = None,
-        checked: dict[str, list[StructField] | None] | None = None,
-    ) -> None:
-        """check() the location (unless `checked` holds its result) and that its folder is writable (the
-        first write: a probe file), then add the columns an older version's tables lack and create the
-        missing tables, empty, partitioned by (run_id, attempt_id).
-        A table named in stats_columns is created with Delta statistics on those columns only
-        (delta.dataSkippingStatsColumns); others on Delta's default (the first 32 columns).
-
-        Two first runs may create a table at once: Delta lets one commit version 0 and the other
-        fails with a protocol or metadata conflict; the loser finds the table there and goes on.
-        """
-        checked = self.check(schemas) if checked is None else checked
-        self.check_writable()
-        for name, fields in checked.items():
-            if fields:
-                self._add_columns(name, fields)
-
-        def create(name: str) -> None:
-            try:
-                self._create(name, schemas[name], (stats_columns or {}).get(name))
-                log.info("created %s", self.path(name))
-            except Exception:
-                if not self.exists(name):
-                    raise
-                self.check_schema(name, schemas[name])
-
-        concurrently(create, [name for name, fields in checked.items() if fields is None])
-
-
-class AttemptWrites(TableStore):
-    """An attempt's rows: appended to the data tables, its runs row written (fenced to publish), its
-    rows deleted; a stream's micro-batches, appended exactly once."""
-
-    def append(self, frames: dict[str, DataFrame], run_id: str, attempt_id: str) -> None:
-        """Append an attempt's rows to several tables, each one commit, the commits made concurrently.
-        The rows stay invisible until the attempt is published."""
-        self.attempts_begun.add((run_id, attempt_id))
-
-        def write(name: str) -> None:
-            self._write(frames[name], name, "append", f"kfed-spark run {run_id} attempt {attempt_id}")
-            log.info("wrote %s for run %s (attempt %s)", self.path(name), run_id, attempt_id)
-
-        concurrently(write, list(frames))
-
-    def append_batch(self, frames: dict[str, DataFrame], app_id: str, batch_id: int, note: str) -> None:
-        """Append a stream's micro-batch to its tables, each write idempotent: it carries Delta's marker
-        (txnAppId = app_id, txnVersion = batch_id), and Delta skips it if the table has committed that
-        batch of that app already, as when a batch is replayed after its process was killed. `note` is
-        the commits' userMetadata."""
-
-        def write(name: str) -> None:
-            self._write(frames[name], name, "append", note, txnAppId=app_id, txnVersion=str(batch_id))
-
-        concurrently(write, list(frames))
-
-    def record_tracking(self, run_id: str, attempt_id: str, mlflow_run_id: str | None, error: str | None) -> None:
-        """Set a published attempt's mlflow_run_id and tracking_error in runs: an UPDATE of those two
-        columns only, so that a status another process set meanwhile (superseded) stays as it is."""
-        values = ", ".join(
-            f"{column} = {'NULL' if value is None else sql_string(value)}"
-            for column, value in (("mlflow_run_id", mlflow_run_id), ("tracking_error", error))
-        )
-        with self.writing("runs"):
-            self.spark.sql(f"UPDATE {self.source('runs')} SET {values} WHERE {attempt_filter(run_id, attempt_id)}")
-
-    def add_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str) -> None:
-        """Append a new attempt's first row to `runs`: a plain append, about a third of a replacing commit."""
-        self._write(row, "runs", "append", f"kfed-spark run {run_id} attempt {attempt_id}")
-
-    def write_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str, fence: int | None = None) -> None:
-        """Replace an attempt's row of `runs` in one commit.
-
-        With `fence`, the commit carries Delta's idempotent-write marker (txnAppId per run id,
-        txnVersion = fence): Delta skips it if that run id already committed this or a higher fence,
-        and fails it if another writer commits the same marker at the same moment. That makes the
-        publish of a run id first-come-first-served; the caller reads the row back to learn which.
-        """
-        options = {"replaceWhere": attempt_filter(run_id, attempt_id)}
-        if fence is not None:
-            options.update(txnAppId=f"kfed-spark-publish:{run_id}", txnVersion=str(fence))
-        try:
-            self._write(row, "runs", "overwrite", f"kfed-spark run {run_id} attempt {attempt_id}", **options)
-        except Exception as exc:
-            if TRANSACTION_CONFLICT in str(exc):
-                raise AttemptConflict(
-                    f"another attempt of run {run_id!r} was published at the same moment as attempt {attempt_id}"
-                ) from None
-            raise
-
-    def delete_attempt(self, run_id: str, attempt_id: str) -> None:
-        """Remove an unpublished attempt's rows from every data table (metadata-only: whole
-        partitions) and its report files."""
-
-        def delete(name: str) -> None:
-            with self.writing(name):
-                self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}")
-
-        concurrently(delete, list(DATA_TABLES))
-        located = _filesystem(self.report_dir(run_id, attempt_id))
-        if located is not None:
-            filesystem, folder = located
-            if filesystem.get_file_info(folder).type == pafs.FileType.Directory:
-                filesystem.delete_dir(folder)
-
-
-class RunReports(TableStore):
-    """The report files of an attempt, beside the tables under <root>/reports."""
-
-    def write_report(self, run_id: str, attempt_id: str, files: dict[str, bytes]) -> None:
-        """The attempt's report files under <root>/reports/<run_id>/<attempt_id>/ (any filesystem pyarrow knows)."""
-        self.attempts_begun.add((run_id, attempt_id))
-        located = _filesystem(self.report_dir(run_id, attempt_id))
-        if located is None:
-            log.warning("no report written: pyarrow cannot write to %s", self.root)
-            return
-        filesystem, folder = located
-        filesystem.create_dir(folder, recursive=True)
-        for name, data in files.items():
-            with filesystem.open_output_stream(f"{folder}/{name}") as out:
-                out.write(data)
-        log.info("wrote the report of run %s to %s", run_id, folder)
-
-    def read_report(self, run_id: str, name: str = "report.json") -> bytes:
-        """A file of the report of a run's published attempt."""
-        rows = (
-            self.spark.sql(
-                f"SELECT attempt_id FROM ({PUBLISHED_ATTEMPTS.format(runs=self.source('runs'))}) "
-                f"WHERE run_id = '{run_id}'"
-            ).collect()
-            if self.exists("runs")
-            else []
-        )
-        located = _filesystem(f"{self.report_dir(run_id, rows[0].attempt_id)}/{name}") if rows else None
-        if located is None:
-            raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}")
-        filesystem, path = located
-        try:
-            with filesystem.open_input_stream(path) as stream:
-                return stream.read()
-        except FileNotFoundError:
-            raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}") from None
-
-    def report_files(self, run_id: str, attempt_id: str) -> dict[str, bytes]:
-        """Every file of an attempt's report by name; none where it wrote none (or pyarrow cannot read there)."""
-        located = _filesystem(self.report_dir(run_id, attempt_id))
-        if located is None:
-            return {}
-        filesystem, folder = located
-        found = filesystem.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
-        files = {}
-        for info in found:
-            if info.type == pafs.FileType.File:
-                with filesystem.open_input_stream(info.path) as stream:
-                    files[info.base_name] = stream.read()
-        return files
-
-
-class PublishedViews(TableStore):
-    """What readers see: the published attempts' rows, as DataFrames and as SQL views."""
-
-    def published(self, name: str) -> DataFrame:
-        """The rows of a table that belong to published attempts (what readers see)."""
-        return self.spark.sql(self.published_query(self.source(name), self.source("runs")))
-
-    @staticmethod
-    def published_query(table: str, runs: str, latest: bool = False) -> str:
-        attempts = (LATEST_ATTEMPT if latest else PUBLISHED_ATTEMPTS).format(runs=runs)
-        return f"SELECT * FROM {table} WHERE (run_id, attempt_id) IN ({attempts})"
-
-    def _views(self, names: list[str], runs: str, table_of) -> dict[str, str]:
-        """View name -> query: every data table's published rows under its own name, and latest_<table>
-        for the newest succeeded run; runs itself as it is (every attempt, with its status)."""
-        views = {"runs": f"SELECT * FROM {runs}"}
-        for name in names:
-            views[name] = self.published_query(table_of(name), runs)
-            views[f"latest_{name}"] = self.published_query(table_of(name), runs, latest=True)
-        return views
-
-    def register(self) -> None:
-        """With output.database: views <database>.labels, ..., <database>.latest_labels, ... over the
-        published attempts, and <database>.runs. The tables themselves stay unnamed (by path only),
-        so that nothing in the catalog shows an unpublished row."""
-        if not self.database:
-            return
-        self.spark.sql(f"CREATE DATABASE IF NOT EXISTS {self.database}")
-        for view, query in self._views(list(DATA_TABLES), self.source("runs"), self.source).items():
-            self.spark.sql(f"CREATE OR REPLACE VIEW {self.database}.{view} AS {query}")
-
-    def register_views(self) -> list[str]:
-        """Temporary views of this location (as register() names them); returns their names."""
-        if not self.exists("runs"):
-            return []
-        names = [name for name in DATA_TABLES if self.exists(name)]
-        views = self._views(names, self.source("runs"), self.source)
-        views.update({name: f"SELECT * FROM {self.source(name)}" for name in STREAM_TABLES if self.exists(name)})
-        for view, query in views.items():
-            self.spark.sql(f"CREATE OR REPLACE TEMPORARY VIEW {view} AS {query}")
-        return list(views)
-
-
-class OutputTables(LocationChecks, AttemptWrites, RunReports, PublishedViews):
-    """The Delta tables of one output location: every read and write of the job's tables, each role a
-    class of its own above."""
 
 
 def concurrently(work: Callable[[str], T], names: list[str]) -> dict[str, T]:

@@ -32,7 +32,8 @@ from datetime import datetime, timedelta, timezone
 
 from kfed_spark.errors import AttemptConflict, ConfigError, first_line
 from kfed_spark.runtime.stopping import despite_the_stop
-from kfed_spark.store.delta import OutputTables, attempt_filter, rows_frame
+from kfed_spark.store.delta import attempt_filter, rows_frame
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import RUNS_SCHEMA, RunRecord
 
 log = logging.getLogger("kfed_spark")

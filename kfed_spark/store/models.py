@@ -22,7 +22,8 @@ from kfed_spark.params import AlgorithmParams
 from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
 from kfed_spark.spark.fitting import LocalCenters
 from kfed_spark.spark.input import absolute
-from kfed_spark.store.delta import OutputTables, concurrently
+from kfed_spark.store.delta import concurrently
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, RunRecord
 
 SAVED_MODEL_ORIGIN = "model:"

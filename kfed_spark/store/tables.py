@@ -302,7 +302,7 @@ class RunRecord:
     timings: dict[str, float] = _column(MapType(StringType(), DoubleType()))
     config: str = _column(StringType())
     versions: dict[str, str] = _column(MapType(StringType(), StringType()))
-    # Added after the first release: null in the rows of older versions (delta.OutputTables.prepare adds them).
+    # Added after the first release: null in the rows of older versions (output.OutputTables.prepare adds them).
     local_restarts: int | None = _column(IntegerType())
     robust_min_size: float | None = _column(DoubleType())
     identity_mode: str | None = _column(StringType())
