@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         if STOP_REQUESTED.is_set():
             silence_spark_after_stop()
         # On a terminal Spark's progress bar may hold the line: back to its start and clear it first. After
-        # SIGTERM the JVM may have been logging the interrupted jobs' traces, in chunks that can end mid-line
-        # (a stream's test once saw '^kfed-spark: error: ...'): the error line then starts on a line of its own.
+        # SIGTERM the JVM may have been logging the interrupted jobs' traces, in chunks that can end mid-line:
+        # the error line then starts on a line of its own.
         start_of_line = "\r\x1b[K" if sys.stderr.isatty() else "\n" if STOP_REQUESTED.is_set() else ""
         print(f"{start_of_line}kfed-spark: error: {message}", file=sys.stderr)
         return exc.exit_code if isinstance(exc, KFedError) and not STOP_REQUESTED.is_set() else 1

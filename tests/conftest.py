@@ -32,19 +32,14 @@ JVM_FIXTURES = {"spark", "config", "published_run", "config_after_first_run", "s
 
 threadpool_limits(limits=1, user_api="blas")
 """The test process's numpy multiplies small matrices: a second BLAS thread only spins on a core that the JVM
-or another test process wants (the fast tier: 30.5 CPU-seconds with that thread, 23.4 without it, and its
-wall time 1 s shorter).
-The processes the tests start keep their own BLAS threads."""
+or another test process wants. The processes the tests start keep their own BLAS threads."""
 
 SHORT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 """Every JVM the tests start through spark-submit (a CLI run, spark-submit, the Connect and Thrift servers,
-Airflow's task) skips the optimising compiler, which spins a core for the seconds a short process lives:
-a fresh CLI run on a 20,000-row mixture took 31-33 CPU-seconds and 22-23 s with this (four runs), 54-67 and
-30-38 s without (six). It collects with the serial collector, as G1's concurrent threads only take CPU from
-the other processes in a heap this small: a fresh run on the tests' 6,000-row mixture took 22.6-28.3
-CPU-seconds (mean 24.9, six runs) against 23.1-29.3 (mean 26.2) with G1, five of six pairs lower. The suite's
-own long-lived JVM keeps the optimising compiler (spark below): over four of its modules it was as fast or
-faster with it. A developer's own SPARK_SUBMIT_OPTS stays."""
+Airflow's task) lives seconds: it skips the optimising compiler, whose work a short process never repays, and
+collects with the serial collector, since a concurrent collector's threads only take CPU from the other
+processes in a heap this small. The suite's own long-lived JVM keeps the optimising compiler
+(SESSION_JVM_OPTIONS). A developer's own SPARK_SUBMIT_OPTS stays."""
 os.environ.setdefault("SPARK_SUBMIT_OPTS", SHORT_JVM_OPTIONS)
 
 MODULE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(fast|spark|integration)\b", re.MULTILINE)
@@ -52,8 +47,8 @@ MODULE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(fast|spark|integration)\
 
 def pytest_ignore_collect(collection_path, config):
     """`-m fast` does not import the modules whose pytestmark is another tier: none of their tests can be
-    fast (pytest_collection_modifyitems allows one tier a test), and importing them took the fast tier's
-    collection from about 2.5 to 5.9 s (MLflow's client alone 2.2 s)."""
+    fast (pytest_collection_modifyitems allows one tier a test), and importing them (MLflow's client among
+    them) would take longer than the fast tier's collection itself."""
     if config.getoption("markexpr") != "fast" or not collection_path.match("test_*.py"):
         return None
     tier = MODULE_TIER.search(collection_path.read_text(encoding="utf-8"))
@@ -77,10 +72,9 @@ LONGEST_MODULES = (
     "test_streaming",
     "test_catalog",
 )
-"""The modules that take longest, longest first (11 minutes down to 1.5 under two xdist workers): they run
-before the others. Each xdist worker takes a whole module when it is free (`--dist loadfile`), so a long one
-taken last keeps one worker busy while the other has nothing left (the Airflow test and then the catalog
-test, handed out after the others, ran 2 minutes past the other worker's end)."""
+"""The modules that take longest, longest first: they run before the others. Each xdist worker takes a whole
+module when it is free (`--dist loadfile`), so a long one taken last would keep one worker busy while the
+other has nothing left."""
 
 
 def pytest_configure(config):
@@ -120,8 +114,8 @@ def no_jvm_in_the_fast_tier(request, monkeypatch):
 @pytest.fixture(scope="session")
 def jvm_archive(tmp_path_factory):
     """The class archive (`kfed-spark jvm-archive`) that every local Spark of the tests and of the processes
-    they start begins from, as a user's would once written: written here once per machine and Spark version
-    (about 80 s), it saves 4-5 s of every JVM start after it. Of two xdist workers one writes it; the other
+    they start begins from, as a user's would once written: written here once per machine and Spark version,
+    it saves seconds of every JVM start after it. Of two xdist workers one writes it; the other
     waits only until that one's first Spark start has resolved Delta's jars into the Ivy cache (two
     resolutions at once into one Ivy cache can fail), and goes on without the archive until it is there."""
     from kfed_spark.spark.session import jvm_archive_file, resolved_delta_jars, write_jvm_archive
@@ -155,7 +149,7 @@ TEST_SPARK_CONF = {
     "spark.sql.session.timeZone": "UTC",
     "spark.databricks.delta.snapshotPartitions": "2",
     # No test reads Delta's per-file statistics or checksum files; without them a commit of a few rows
-    # takes half the time (0.31 -> 0.16 s per append here), and the tests make a few hundred commits.
+    # costs about half as much, and the tests make a few hundred commits.
     "spark.databricks.delta.stats.collect": "false",
     "spark.databricks.delta.writeChecksumFile.enabled": "false",
     "spark.log.level": "ERROR",
@@ -171,35 +165,27 @@ TEST_SPARK_CONF = {
 
 
 SESSION_HEAP = "3g"
-"""The heap of the one JVM that serves the whole suite (some 10,000 stages); local mode's 1g ran out in a CI
-run, in bench-quality's MNIST read, and every later test lost the JVM. The heap grows through the suite
-(0.8 GB live two thirds in, 1.2 GB three quarters in, after a full GC), much of it Delta's cached snapshot of
-every table the tests wrote: capping that cache at 20 tables took three modules' live heap from 245 to 143 MB
-but their time from 296-314 s to 354 s (a 3-minute retention instead: 414 s). So it is bench-quality's own 2g
-(bench_session) plus 1g. The processes the tests start keep Spark's default."""
+"""The heap of the one JVM that serves a worker's share of the suite: it holds Delta's cached snapshot of every
+table the tests wrote (capping that cache costs more time than the memory is worth), and bench-quality's MNIST
+read needs its own session's 2g (bench_session) inside it. The processes the tests start keep Spark's
+default."""
 
 
 INTERPRETED_SQL = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 """The suite's own session evaluates SQL expressions interpreted (factoryMode is Spark's switch for its own
 tests): each of its thousands of small queries would otherwise generate Java code, compile it with Janino, and
-leave the JVM's compilers to compile it again. test_forget.py and test_identity.py took 150-163 s and 195-219
-JVM CPU-seconds so, against 205-206 s and 280-300 (optimising compiler 94-99 -> 64-72 CPU-seconds); whole-stage
-code generation off alone changed nothing, and adaptive execution off as well cost 8 s. Every process the tests
-start (the CLI, spark-submit, the servers) generates code, as a user's does."""
+leave the JVM's compilers to compile it again, more work than the query. Every process the tests start (the
+CLI, spark-submit, the servers) generates code, as a user's does."""
 
 
 SESSION_JVM_OPTIONS = (
     "-XX:TieredStopAtLevel=4 -XX:Tier4InvocationThreshold=20000 -XX:Tier4MinInvocationThreshold=2400 "
     "-XX:Tier4CompileThreshold=60000 -XX:Tier4BackEdgeThreshold=160000 -XX:-UseSerialGC -XX:+UseParallelGC"
 )
-"""The session's JVM lives as long as its worker: after SHORT_JVM_OPTIONS it compiles with C2 again (C1 alone
-took 20% longer), but only code run four times as often as Java's defaults ask before C2 takes it: alone in
-one process, test_forget.py, test_identity.py and test_delta.py took 181-187 JVM CPU-seconds so against 206-209
-at the defaults (three runs each, interleaved; the whole machine 217-223 against 242-246), 189 at twice the
-defaults, 191 at ten times and 238 with C1 alone. It collects with the throughput collector rather than the
-serial one or G1, whose concurrent marking of a heap that Delta's snapshot cache keeps growing cost CPU the
-cores lack: the two JVMs' collector threads took 130 CPU-seconds in a CI run with G1 and 43 with this (the
-JVMs 959 and 882 in all), and the suite's wall time did not change beyond the host's run-to-run spread."""
+"""The session's JVM lives as long as its worker, so it compiles with C2, but only code run several times as
+often as Java's defaults ask before C2 takes it: the suite runs much code a few thousand times, which C2 would
+compile at a cost it does not repay. It collects with the throughput collector: concurrent marking of a heap
+that Delta's snapshot cache keeps growing takes CPU that the two workers' processes lack."""
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,8 @@ def test_airflow_dag_parses_runs_and_checks(tmp_path, mixture_path, standalone_m
     build(tmp_path / "dist")
     config = tmp_path / "kfed.yaml"
     # One executor per application (spark.cores.max): the DAG's two jobs still run on the cluster, unpacking
-    # the packed environment, and test_cluster.py keeps two executors per application. Alone, this test took
-    # 156-164 CPU-seconds this way and 186-188 with an executor on each worker, in the same 123-130 s.
+    # the packed environment, and test_cluster.py keeps two executors per application; a second executor here
+    # would only unpack the environment once more.
     config.write_text(
         f'input: {{path: "{mixture_path}"}}\noutput: {{path: unused}}\n'
         f"k: {MIXTURE['k']}\nk_per_device: {MIXTURE['k_per_device']}\nseed: 1\n"

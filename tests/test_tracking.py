@@ -39,8 +39,8 @@ def tracking_server(tmp_path_factory):
         str(folder / "artifacts"),
     ]
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYSPARK", "VIRTUAL_ENV"))}
-    # Without MLflow's job runner (huey consumers for its GenAI jobs), which tracking does not use: alone, this
-    # module took 63-71 CPU-seconds without it and 89-93 with it.
+    # Without MLflow's job runner (huey consumers for its GenAI jobs), which tracking does not use and whose
+    # consumers only take CPU from the other tests.
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     with servers(folder) as start:
         wait_for_port(port, start(command, env))

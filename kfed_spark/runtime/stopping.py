@@ -57,8 +57,8 @@ STOP_REQUESTED = StopRequest()
 def despite_the_stop(action: Callable[[], T]) -> T:
     """Run `action`, Spark work that records what a stop left behind; if it fails after a stop was
     requested, wait for the stop's interrupt to finish (INTERRUPT_WAIT_SECONDS at most) and run `action`
-    once more: so `action` must be safe to run twice. On a busy machine the stop breaks such work in two
-    ways, both seen under two test workers: the interrupt cancels every Spark job active when Spark
+    once more: so `action` must be safe to run twice. On a busy machine the stop can break such work in two
+    ways: the interrupt cancels every Spark job active when Spark
     processes it, which can come after the handler stopped waiting for it; and the first py4j call after
     the interrupted one can get an empty answer from the JVM (py4j, on the interrupted call, asks the JVM
     to shut down that call's socket and closes every pooled connection to it)."""
@@ -122,7 +122,6 @@ def silence_spark_after_stop(timeout: float = 5.0) -> None:
         silencer.start()
         silencer.join(timeout)
         if not silencer.is_alive():
-            # A JVM thread that passed its level check just before the switch still writes its line; on a
-            # busy machine that took long enough for the error line to go first (a stream's falling-behind
-            # warning, in a CI run): give such lines a moment to land.
+            # A JVM thread that passed its level check just before the switch still writes its line, and on
+            # a busy machine it can land after the error line: give such lines a moment to land.
             time.sleep(LOG_SETTLE_SECONDS)
