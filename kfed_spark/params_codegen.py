@@ -6,8 +6,10 @@ kfed_spark.params.AlgorithmParams (camelCase) and its ESTIMATOR_COLUMNS; this mo
 their getters, KFed's keyword constructor, setParams and setters, as kfed_spark/estimator_params.py, a
 file of generated code only. The docs' table of the parameters is written between the
 `<!-- BEGIN GENERATED parameters -->` and `<!-- END GENERATED parameters -->` lines of
-docs/configuration.md. In a source checkout, `python -m kfed_spark.params_codegen` rewrites both;
-tests/test_estimator.py and tests/test_params.py fail when they differ from what it would write.
+docs/configuration.md, and the README's list of the output tables from their comments in
+kfed_spark.store.tables the same way. In a source checkout, `python -m kfed_spark.params_codegen` rewrites
+all three; tests/test_estimator.py, tests/test_params.py and tests/test_docs.py fail when they differ from
+what it would write.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kfed_spark.params import ESTIMATOR_COLUMNS, AlgorithmParams, camel
 
 ESTIMATOR_PARAMS = Path(__file__).with_name("estimator_params.py")
 CONFIGURATION_PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 CONVERTERS = {
     "int": "TypeConverters.toInt",
@@ -169,15 +172,34 @@ def parameter_table() -> str:
     return "\n".join(["| key | default | meaning |", "| --- | --- | --- |", *rows]) + "\n"
 
 
+def table_list() -> str:
+    """The README's list of the output tables: a run's, then the stream's, each with its table comment."""
+    from kfed_spark.store.tables import STREAM_TABLES, TABLE_COMMENTS, TABLES
+
+    described = {name: TABLE_COMMENTS[name].split(": ", 1)[1] for name in (*TABLES, *STREAM_TABLES)}
+    return "".join(f"- `{name}`: {text};\n" for name, text in described.items())[:-2] + ".\n"
+
+
+def rewritten_block(text: str, block: str, content: str) -> str:
+    """text with its generated block `block` replaced by content."""
+    pattern = re.compile(rf"(<!-- BEGIN GENERATED {block} -->\n).*?(<!-- END GENERATED {block} -->\n)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no generated block {block!r}")
+    return pattern.sub(lambda match: match.group(1) + content + match.group(2), text)
+
+
 def rewritten_page(text: str) -> str:
     """The configuration page's text with its parameter table as parameter_table() writes it."""
-    pattern = re.compile(r"(<!-- BEGIN GENERATED parameters -->\n).*?(<!-- END GENERATED parameters -->\n)", re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{CONFIGURATION_PAGE.name} has no generated block 'parameters'")
-    return pattern.sub(lambda match: match.group(1) + parameter_table() + match.group(2), text)
+    return rewritten_block(text, "parameters", parameter_table())
+
+
+def rewritten_readme(text: str) -> str:
+    """The README's text with its list of the output tables as table_list() writes it."""
+    return rewritten_block(text, "tables", table_list())
 
 
 if __name__ == "__main__":
     ESTIMATOR_PARAMS.write_text(module())
     CONFIGURATION_PAGE.write_text(rewritten_page(CONFIGURATION_PAGE.read_text()))
+    README.write_text(rewritten_readme(README.read_text()))
     sys.exit(0)

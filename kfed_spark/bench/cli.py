@@ -160,6 +160,12 @@ def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def mixture_shape(args: argparse.Namespace) -> dict:
+    """The generated mixture's shape as add_mixture_arguments took it, as write_mixture takes it."""
+    names = ("k", "k_per_device", "devices", "points_per_device", "dim", "seed", "wide")
+    return {name: getattr(args, name) for name in names}
+
+
 def command_bench(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
@@ -174,16 +180,7 @@ def command_bench(args: argparse.Namespace) -> int:
     data = args.data
     if data is None:
         data = str(out / "input")
-        write_mixture(
-            data,
-            k=args.k,
-            k_per_device=args.k_per_device,
-            devices=args.devices,
-            points_per_device=args.points_per_device,
-            dim=args.dim,
-            seed=args.seed,
-            wide=args.wide,
-        )
+        write_mixture(data, **mixture_shape(args))
     command = command_line("bench")
     fresh = benchmark_fresh(
         data, out / "fresh", args.k, args.k_per_device, args.seed, command, args.master, args.driver_memory
@@ -315,16 +312,7 @@ def command_generate(args: argparse.Namespace) -> int:
     from kfed_spark.bench.synthetic import write_mixture
 
     try:
-        table = write_mixture(
-            args.out,
-            k=args.k,
-            k_per_device=args.k_per_device,
-            devices=args.devices,
-            points_per_device=args.points_per_device,
-            dim=args.dim,
-            seed=args.seed,
-            wide=args.wide,
-        )
+        table = write_mixture(args.out, **mixture_shape(args))
     except ValueError as exc:
         raise KFedError(str(exc)) from None
     print(f"wrote {table.num_rows} rows ({args.devices} devices, d = {args.dim}, k = {args.k}) to {args.out}")

@@ -1,6 +1,6 @@
 """Attempts of a run, and how one is published: write, audit, publish, with `runs` as the commit point.
 
-Delta commits one table at a time, so a run's five tables cannot change in one commit. Instead every
+Delta commits one table at a time, so a run's tables cannot change in one commit. Instead every
 attempt of a run id gets its own attempt id and appends its rows, tagged with it, to every table;
 readers see only published attempts (kfed_spark.store.delta's views). An attempt is published by one commit
 of its `runs` row with status `succeeded`; until that commit the previously published attempt of the
