@@ -1,4 +1,4 @@
-"""A persistent catalog, as the README sets it up: a run's `output.database` views kept in a Hive metastore
+"""A persistent catalog, as the docs' catalog page sets it up: a run's `output.database` views kept in a Hive metastore
 (embedded Derby), read afterwards by a `spark-sql` process, by the Spark Thrift Server over JDBC with
 `beeline`, and from Python's DB-API with PyHive; each answer equal to `kfed-spark sql`'s."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, free_port, run_cli_process, servers, spark_home, wait_for_port
+from helpers import docs_page, free_port, run_cli_process, servers, spark_home, wait_for_port
 from kfed_spark.cli import main
 from kfed_spark.runtime.packaging import delta_package
 
@@ -20,11 +20,9 @@ pytestmark = pytest.mark.integration  # processes of their own: the CLI, spark-s
 QUERY = "SELECT cluster_id, count(*) AS n FROM {database}latest_labels GROUP BY cluster_id ORDER BY cluster_id"
 
 
-def readme_catalog(catalog, out) -> tuple[dict, str]:
-    """The README's run settings (YAML) and readers' properties file, its example folders replaced."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("### A persistent catalog") :]
-    section = section[: section.index("\n### ")]
+def docs_catalog(catalog, out) -> tuple[dict, str]:
+    """The catalog page's run settings (YAML) and readers' properties file, its example folders replaced."""
+    section = docs_page("catalog.md")
     section = section.replace("/data/kfed-catalog", str(catalog)).replace("/data/kfed-output", str(out))
     run_settings = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
     properties = re.search(r"```properties\n(.*?)```", section, re.S).group(1)
@@ -41,7 +39,7 @@ def reader_environment() -> dict[str, str]:
 
 def test_views_persist_for_spark_sql_the_thrift_server_beeline_and_db_api(spark, config, tmp_path, capsys):
     out, catalog = tmp_path / "out", tmp_path / "catalog"
-    settings, properties = readme_catalog(catalog, out)
+    settings, properties = docs_catalog(catalog, out)
     reader_conf = dict(line.split(" ", 1) for line in properties.strip().splitlines())
     run_conf = settings["spark"]["conf"]
     assert {key: reader_conf[key] for key in run_conf} == run_conf  # readers open the run's metastore
@@ -76,7 +74,7 @@ def test_views_persist_for_spark_sql_the_thrift_server_beeline_and_db_api(spark,
     assert spark_sql.returncode == 0, spark_sql.stderr[-3000:]
     assert spark_sql.stdout.split() == rows
 
-    # As the README: Delta's two jars on the driver's class path too, from Ivy's folder (delta-io/delta#1332),
+    # As the catalog page: Delta's two jars on the driver's class path too, from Ivy's folder (delta-io/delta#1332),
     # which is under Java's user.home: the home folder /etc/passwd names, whatever HOME says.
     ivy = Path(spark.sparkContext._jvm.java.lang.System.getProperty("user.home")) / ".ivy2.5.2" / "jars"
     delta_jars = [*ivy.glob("io.delta_delta-spark_*.jar"), *ivy.glob("io.delta_delta-storage-*.jar")]
@@ -100,7 +98,7 @@ def test_views_persist_for_spark_sql_the_thrift_server_beeline_and_db_api(spark,
     ]
     with servers(tmp_path) as start:  # stopped by pid on the way out
         wait_for_port(port, start(thrift_server, reader_environment()))
-        beeline = subprocess.run(  # as the README runs it: one statement with -e
+        beeline = subprocess.run(  # as the catalog page runs it: one statement with -e
             [
                 str(bin_folder / "beeline"),
                 "-u",

@@ -1,6 +1,6 @@
 """A real Spark standalone cluster on loopback: a master and two one-core workers whose `python3` has no
-numpy, and no PYSPARK_PYTHON. The README's cluster commands, read out of README.md, must build and ship
-the job's Python environment, and label every row as a local-mode run does.
+numpy, and no PYSPARK_PYTHON. The deployment page's cluster commands, read out of docs/deployment.md, must
+build and ship the job's Python environment, and label every row as a local-mode run does.
 """
 
 import re
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MIXTURE, ROOT, bare_environment, labels_of
+from helpers import MIXTURE, ROOT, bare_environment, docs_page, labels_of
 from kfed_spark.runtime.packaging import delta_package
 
 pytestmark = pytest.mark.integration  # processes of their own: spark-submit, servers, the CLI
@@ -19,9 +19,10 @@ pytestmark = pytest.mark.integration  # processes of their own: spark-submit, se
 CLUSTER_SECTION = "## On a cluster with spark-submit"
 
 
-def readme_cluster_commands() -> list[str]:
-    """The commands of the first bash block of the README's cluster section, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
+def docs_cluster_commands() -> list[str]:
+    """The commands of the first bash block of the deployment page's cluster section, continuation lines
+    joined."""
+    text = docs_page("deployment.md")
     section = text[text.index(CLUSTER_SECTION) :]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
@@ -30,9 +31,9 @@ def readme_cluster_commands() -> list[str]:
 def test_readme_cluster_commands_label_as_local_mode_does(
     spark, published_run, tmp_path, standalone_master, mixture_path
 ):
-    package, submit = readme_cluster_commands()
+    package, submit = docs_cluster_commands()
     assert package.startswith("kfed-spark package") and submit.startswith("spark-submit --master spark://HOST:7077")
-    assert f"--packages {delta_package()}" in submit  # the README names the jar matching the installed versions
+    assert f"--packages {delta_package()}" in submit  # the page names the jar matching the installed versions
 
     applications_before = len(standalone_master.applications())
     work = tmp_path / "clone"  # the commands' relative paths, as in a clone

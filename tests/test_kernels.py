@@ -404,7 +404,7 @@ def test_lloyd_stops_where_it_would_on_the_data_shifted_far_from_the_origin():
 
 
 def test_max_iter_bounds_the_server_step_too():
-    """The README: max_iter bounds Lloyd "on devices and on the server"."""
+    """The parameter table: max_iter is the most Lloyd rounds "on each device and on the server"."""
     rng = np.random.default_rng(2)
     x = np.concatenate([rng.normal(loc=c, size=(60, 4)) for c in (0.0, 2.0, 4.0, 6.0)])
     devices = np.repeat(np.arange(12), 20)

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+from kfed_spark.bench.pages import PROVENANCE_ROW
 from kfed_spark.bench.paper import (
     DEVICES_PER_CLUSTER,
     ROWS_PER_HELD_CLUSTER,
@@ -84,9 +85,7 @@ def test_bench_paper_writes_its_tables_and_figures(spark, tmp_path, capsys):
     assert (
         page.read_text() == markdown and (page.parent / "rounds.png").read_bytes() == (out / "rounds.png").read_bytes()
     )
-    header = dict(
-        re.findall(r"^\| (command|commit|date|machine|Java|Spark, Delta|Python, numpy) \| (.+) \|$", markdown, re.M)
-    )
+    header = dict(PROVENANCE_ROW.findall(markdown))
     assert header["command"] == "`kfed-spark bench-paper`"  # main() here, not a process: argv is pytest's
     assert len(header) == 7 and re.match(r"[0-9a-f]{12}", header["commit"]) and "cores" in header["machine"]
     assert main(["bench-paper", "--datasets", "cifar", "--out", str(out)]) == 2

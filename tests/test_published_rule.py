@@ -1,5 +1,5 @@
 """Which attempt of a run id is published, as every reader outside the Spark views decides it, held to
-tables.PUBLISHED_ATTEMPTS: the job's own bookkeeping (ledger.published_attempts), the README's DuckDB
+tables.PUBLISHED_ATTEMPTS: the job's own bookkeeping (ledger.published_attempts), the docs' DuckDB
 view and the Airflow DAG's check_run, over one runs table whose traps catch any other rule."""
 
 import ast

@@ -65,7 +65,7 @@ def test_bench_quality_on_a_real_slice(spark, tmp_path):
 @pytest.mark.fast
 @needs_shared_data
 def test_prepare_suggests_the_readme_s_known_k_per_device(tmp_path, capsys):
-    """The README advises the known k_z (2 on rotated MNIST) over `auto`, which saturates on images."""
+    """The docs advise the known k_z (2 on rotated MNIST) over `auto`, which saturates on images."""
     assert main(["prepare", "mnist", "--out", str(tmp_path / "mnist")]) == 0
     hint = capsys.readouterr().out.splitlines()[-1]
     assert hint.endswith("--set k=40 --set k_per_device=2")
