@@ -112,9 +112,22 @@ class SparkConfig:
 
 
 @dataclass(frozen=True)
-class KFedConfig(AlgorithmParams):
-    """A run: the clustering's parameters (kfed_spark.params) plus where rows come from and go."""
+class FitSettings:
+    """What fitting k-FED to a DataFrame reads: the clustering's parameters, the input's columns, and the
+    partitions of the local step (default: the session's shuffle partitions). The job's KFedConfig gives
+    them (KFedConfig.fitting), and so does the estimator from its Params."""
 
+    algorithm: AlgorithmParams = field(default_factory=AlgorithmParams)
+    input: InputConfig = field(default_factory=InputConfig)
+    local_partitions: int | None = None
+
+
+@dataclass(frozen=True)
+class KFedConfig:
+    """A run: the clustering's parameters (kfed_spark.params; at the top level of the YAML file) and where
+    rows come from and go."""
+
+    algorithm: AlgorithmParams = field(default_factory=AlgorithmParams)
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     spark: SparkConfig = field(default_factory=SparkConfig)
@@ -126,6 +139,14 @@ class KFedConfig(AlgorithmParams):
     on_bad_rows: str = "quarantine"
     report: bool = True
     """Write report.json and report.html under <output.path>/reports/<run_id>/<attempt_id>/."""
+
+    @property
+    def fitting(self) -> FitSettings:
+        return FitSettings(self.algorithm, self.input, self.local_partitions)
+
+    def with_algorithm(self, **changes: Any) -> KFedConfig:
+        """This config with some of the clustering's parameters changed."""
+        return dataclasses.replace(self, algorithm=dataclasses.replace(self.algorithm, **changes))
 
 
 SECTIONS = {
@@ -180,7 +201,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def build_config(raw: dict[str, Any]) -> KFedConfig:
+    """The config from its YAML mapping: sections, the job's own keys, and the clustering's parameters at the
+    top level (the privacy ones also as a `privacy:` section)."""
     values: dict[str, Any] = {}
+    algorithm: dict[str, Any] = {}
     for key, value in raw.items():
         if key in SECTIONS:
             if not isinstance(value, dict):
@@ -188,19 +212,22 @@ def build_config(raw: dict[str, Any]) -> KFedConfig:
             values[key] = _section(key, SECTIONS[key], value)
         elif key == "privacy" and isinstance(value, dict):  # privacy.epsilon: the parameter privacy_epsilon
             for name, setting in value.items():
-                if f"privacy_{name}" not in _field_names(KFedConfig):
+                if f"privacy_{name}" not in _field_names(AlgorithmParams):
                     raise ConfigError(f"unknown config key 'privacy.{name}'; known: epsilon, delta, bounds, rounds")
-                values[f"privacy_{name}"] = setting
-        elif key in _field_names(KFedConfig):
+                algorithm[f"privacy_{name}"] = setting
+        elif key in _field_names(AlgorithmParams):
+            algorithm[key] = value
+        elif key in _field_names(KFedConfig) - {"algorithm"}:
             values[key] = value
         else:
-            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(_field_names(KFedConfig)))}")
+            known = (_field_names(KFedConfig) - {"algorithm"}) | _field_names(AlgorithmParams)
+            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
     if isinstance(values.get("run_id"), (date, datetime)):  # YAML reads `run_id: 2026-11-29` as a date
         values["run_id"] = values["run_id"].isoformat()
     identity = values.get("identity")
     if identity is not None and isinstance(identity.reference, (date, datetime)):
         values["identity"] = dataclasses.replace(identity, reference=identity.reference.isoformat())
-    cfg = KFedConfig(**values)
+    cfg = KFedConfig(algorithm=AlgorithmParams(**algorithm), **values)
     validate(cfg)
     return cfg
 
@@ -227,7 +254,7 @@ def _section(name: str, cls: type, raw: dict[str, Any]) -> Any:
 
 
 def validate(cfg: KFedConfig) -> None:
-    cfg.check()
+    cfg.algorithm.check()
     validate_columns(cfg.input)
     validate_run(cfg)
     validate_io(cfg)
@@ -298,4 +325,7 @@ def resolve_run_id(cfg: KFedConfig) -> str:
 
 
 def as_dict(cfg: KFedConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as its YAML file has it, the clustering's parameters at the top level (as `runs.config`
+    records it, and build_config reads it back)."""
+    values = dataclasses.asdict(cfg)
+    return {**values.pop("algorithm"), **values}

@@ -19,7 +19,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 from pyspark.sql import DataFrame
 from pyspark.sql.types import StringType, StructField, StructType
 
-from kfed_spark.config import InputConfig, KFedConfig, OutputConfig, validate_columns
+from kfed_spark.config import FitSettings, InputConfig, OutputConfig, validate_columns
 from kfed_spark.core.identity import match_clusters
 from kfed_spark.core.k_sweep import KSweep, k_values
 from kfed_spark.core.linalg import between_sse
@@ -47,17 +47,16 @@ class _KFedParams(GeneratedParams):
     """Params shared by KFed and KFedModel: one per row of AlgorithmParams, plus the columns it reads and
     writes (kfed_spark.params.ESTIMATOR_COLUMNS), each with a getter (kfed_spark.estimator_params, generated)."""
 
-    def _config(self) -> KFedConfig:
-        """The params as the job's configuration, so both run one implementation."""
+    def _settings(self) -> FitSettings:
+        """The params as fitting takes them (the clustering's parameters and the input's columns), so the
+        estimator and the job run one implementation."""
         values = {spec.name: self.getOrDefault(name) for name, spec in ALGORITHM_PARAMS.items()}
         values = {key: tuple(value) if isinstance(value, list) else value for key, value in values.items()}
-        cfg = KFedConfig(
-            input=InputConfig(device_col=self.getOrDefault("deviceCol"), features_col=self.getOrDefault("featuresCol")),
-            **{**values, "seed": values["seed"] & 0x7FFFFFFFFFFFFFFF},
-        )
-        cfg.check()
-        validate_columns(cfg.input)
-        return cfg
+        algorithm = AlgorithmParams(**{**values, "seed": values["seed"] & 0x7FFFFFFFFFFFFFFF})
+        columns = InputConfig(device_col=self.getOrDefault("deviceCol"), features_col=self.getOrDefault("featuresCol"))
+        algorithm.check()
+        validate_columns(columns)
+        return FitSettings(algorithm, columns)
 
 
 class KFed(Estimator["KFedModel"], GeneratedSetters, _KFedParams, MLReadable["KFed"], MLWritable):
@@ -106,7 +105,9 @@ class KFed(Estimator["KFedModel"], GeneratedSetters, _KFedParams, MLReadable["KF
 
     def _fit(self, dataset: DataFrame) -> "KFedModel":
         reference = None if self._reference is None else self._reference._stored
-        clustering = fit(dataset, self._config(), initial=reference.centers if reference and self._warm_start else None)
+        clustering = fit(
+            dataset, self._settings(), initial=reference.centers if reference and self._warm_start else None
+        )
         if reference is not None:
             matching = match_clusters(clustering.clusters(), reference.clusters(), int(reference.cluster_ids.max()) + 1)
             clustering = clustering.with_ids(matching.ids)
@@ -204,7 +205,7 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         """The server step for every k of kRange (both ends included, every step-th) over this model's local
         centers, with each k's exact SSE, BIC, silhouette, noise ratio and, for the candidates, stability, and
         the recommended k (kfed_spark.core.k_sweep): no pass over the rows. Refit with that k, or with k="auto"."""
-        return self._stored.sweep(k_values(kRange[0], kRange[1], step), AlgorithmParams.of(self._config()))
+        return self._stored.sweep(k_values(kRange[0], kRange[1], step), self._settings().algorithm)
 
     @property
     def localCenters(self) -> DataFrame:
@@ -228,9 +229,12 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         """Label rows: a plan, no Spark job, so it works on a streaming DataFrame too. A row of a device
         the model has not seen takes the nearest global center and a null local prediction (its label
         depends on the row alone); `kfed-spark assign` clusters such devices locally instead."""
-        cfg = self._config()
+        settings = self._settings()
         labelled = labelled_plan(
-            dataset, cfg, self._stored.label_model(cfg.label_mode, label_unseen=True), self._stored.dim
+            dataset,
+            settings,
+            self._stored.label_model(settings.algorithm.label_mode, label_unseen=True),
+            self._stored.dim,
         ).drop(SQ_DIST_COL, REASON_COL)
         renamed = {
             "local_cluster_id": self.getLocalPredictionCol(),

@@ -199,11 +199,6 @@ class AlgorithmParams:
         3, integer(1), "with privacy_epsilon: the noisy Lloyd rounds of each device, which share the budget"
     )
 
-    @classmethod
-    def of(cls, settings: object) -> "AlgorithmParams":
-        """The algorithm's parameters out of anything that has them (a KFedConfig, say), and nothing else."""
-        return cls(**{spec.name: getattr(settings, spec.name) for spec in fields(cls)})
-
     def __post_init__(self) -> None:
         for name in ("k_range", "privacy_bounds"):
             if isinstance(getattr(self, name), list):  # as YAML and JSON give it: [2, 30]

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kfed_spark.config import InputConfig, KFedConfig, OutputConfig
+from kfed_spark.config import FitSettings, InputConfig, OutputConfig
+from kfed_spark.params import AlgorithmParams
 
 
 def published(spark, out, name):
@@ -95,16 +96,16 @@ def write_empty_config(tmp_path):
     return path
 
 
-def fitted_labels(raw, input_settings=None, **settings):
+def fitted_labels(raw, input_settings=None, local_partitions=None, **params):
     """Fit k-FED to a DataFrame and label its rows through the fit layer alone (no table written):
     the Clustering and a pandas frame of every labelled row's columns, cluster_id and local_cluster_id."""
     from kfed_spark.spark.fitting import fit
     from kfed_spark.spark.labelling import label_rows
 
-    cfg = KFedConfig(input=InputConfig(**(input_settings or {})), **settings)
-    cfg.check()
-    clustering = fit(raw, cfg)
-    labelled = label_rows(clustering.checked, clustering.model, raw.schema, cfg.input.device_col, clustering.dim)
+    settings = FitSettings(AlgorithmParams(**params), InputConfig(**(input_settings or {})), local_partitions)
+    settings.algorithm.check()
+    clustering = fit(raw, settings)
+    labelled = label_rows(clustering.checked, clustering.model, raw.schema, settings.input.device_col, clustering.dim)
     return clustering, labelled.filter("__kfed_reason IS NULL").drop("__kfed_sq_dist", "__kfed_reason").toPandas()
 
 

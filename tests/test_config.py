@@ -15,10 +15,10 @@ def test_defaults_and_dotted_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("input: {path: /x}\noutput: {path: /y}\nk: 10\nspark: {conf: {a.b: '1'}}\n")
     cfg = load_config(path, ["k=12", "k_per_device=3", "input.device_col=writer", "spark.master=local[2]"])
-    assert (cfg.k, cfg.k_per_device, cfg.seed) == (12, 3, 0)
+    assert (cfg.algorithm.k, cfg.algorithm.k_per_device, cfg.algorithm.seed) == (12, 3, 0)
     assert cfg.input.device_col == "writer" and cfg.input.features_col == "features"
     assert cfg.spark.master == "local[2]" and cfg.spark.conf == {"a.b": "1"}
-    assert (cfg.server_refine, cfg.label_mode) == ("lloyd", "induced")
+    assert (cfg.algorithm.server_refine, cfg.algorithm.label_mode) == ("lloyd", "induced")
 
 
 def test_overrides_inside_free_form_mappings_keep_their_dots():
@@ -123,4 +123,4 @@ def test_the_readme_quick_start_config_is_valid():
     quick = readme[readme.index("## Quick start on your own table") :]
     text = re.search(r"cat > kfed.yaml <<'YAML'\n(.*?)\nYAML\n", quick, re.S).group(1)
     cfg = build_config(yaml.safe_load(text))
-    assert (cfg.k, cfg.k_range, cfg.input.features_col) == ("auto", (2, 40), ["x1", "x2", "x3"])
+    assert (cfg.algorithm.k, cfg.algorithm.k_range, cfg.input.features_col) == ("auto", (2, 40), ["x1", "x2", "x3"])

@@ -24,7 +24,7 @@ def camel(name):
 def test_config_and_estimator_defaults_are_the_tables():
     config, estimator = KFedConfig(), KFed()
     for spec in fields(AlgorithmParams):
-        assert getattr(config, spec.name) == spec.default, spec.name
+        assert getattr(config.algorithm, spec.name) == spec.default, spec.name
         as_param = list(spec.default) if isinstance(spec.default, tuple) else spec.default  # pairs are lists there
         assert estimator.getOrDefault(camel(spec.name)) == as_param, spec.name
         assert spec.metadata["doc"] in estimator.getParam(camel(spec.name)).doc
@@ -39,7 +39,7 @@ def test_every_param_has_a_keyword_a_getter_and_a_setter():
     kfed = KFed(robustMinSize=0.5, kPerDeviceMax=4)
     assert (kfed.getRobustMinSize(), kfed.getKPerDeviceMax()) == (0.5, 4)
     assert kfed.setK(5).setKPerDevice("auto").getK() == 5
-    assert kfed._config().robust_min_size == 0.5 and kfed._config().k_per_device == "auto"
+    assert kfed._settings().algorithm.robust_min_size == 0.5 and kfed._settings().algorithm.k_per_device == "auto"
     signature = inspect.signature(KFed.__init__)
     assert signature.parameters["k"].default == DEFAULTS.k and signature.parameters["deviceCol"].default == "device_id"
     assert KFedModel().getLabelMode() == DEFAULTS.label_mode
@@ -49,7 +49,7 @@ def test_the_estimator_refuses_what_the_config_refuses():
     with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
         KFed(colour="red")
     with pytest.raises(ConfigError, match="robust_min_size must be a finite number >= 0, got -1.0"):
-        KFed(robustMinSize=-1.0)._config()
+        KFed(robustMinSize=-1.0)._settings()
     with pytest.raises(ConfigError, match="robust_min_size must be a finite number >= 0, got -1"):
         load_config(None, ["robust_min_size=-1", "input.path=x", "output.path=y"])
 

@@ -93,7 +93,12 @@ def test_shifting_or_scaling_the_features_with_their_bounds_changes_no_label():
 def test_privacy_needs_bounds_and_a_fixed_k_and_is_spelled_as_a_section(tmp_path):
     common = ["input.path=/in", "output.path=/out", "k=5", "k_per_device=2"]
     cfg = load_config(None, [*common, "privacy.epsilon=1.5", "privacy.bounds=[0, 255]", "privacy.rounds=4"])
-    assert (cfg.privacy_epsilon, cfg.privacy_bounds, cfg.privacy_rounds, cfg.privacy_delta) == (1.5, (0, 255), 4, 1e-6)
+    assert (
+        cfg.algorithm.privacy_epsilon,
+        cfg.algorithm.privacy_bounds,
+        cfg.algorithm.privacy_rounds,
+        cfg.algorithm.privacy_delta,
+    ) == (1.5, (0, 255), 4, 1e-6)
     for overrides, message in (
         (["privacy.epsilon=1"], "privacy_epsilon needs privacy_bounds"),
         (["privacy.epsilon=1", "privacy.bounds=[0, 1]", "k=auto"], "privacy_epsilon needs a fixed k and k_per_device"),

@@ -111,7 +111,13 @@ def write_attempt(
         if iid:
             log.warning("run %s: %s", attempt.run_id, iid)
         result = run_result(
-            attempt, context.parent_run_id, tables, clustering, counted, timer, cfg.privacy_epsilon is not None
+            attempt,
+            context.parent_run_id,
+            tables,
+            clustering,
+            counted,
+            timer,
+            cfg.algorithm.privacy_epsilon is not None,
         )
         row = row.changed(**result_columns(result))
         profiles = device_clusters_table(evaluation, clustering.local.table.schema.field("device_id").type)
@@ -172,7 +178,7 @@ def write_labels(
         cfg.input.truth_col,
         report.SILHOUETTE_SAMPLE_ROWS if cfg.report else 0,
         int(clustering.local.counts.sum()),
-        cfg.seed,
+        cfg.algorithm.seed,
     )
     read, labelled_out = Observation("kfed_input_rows"), Observation("kfed_labelled_rows")
     rows_in = clustering.checked.observe(read, F.count(F.lit(1)).alias("rows"))

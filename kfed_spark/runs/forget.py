@@ -47,7 +47,6 @@ from kfed_spark.core.identity import (
 )
 from kfed_spark.core.server_step import ServerClustering
 from kfed_spark.errors import ConfigError, KFedError
-from kfed_spark.params import AlgorithmParams
 from kfed_spark.runs.attempt import AttemptContext, LabelledRows, k_sweep_column, package_versions, write_attempt
 from kfed_spark.runtime import fault_injection
 from kfed_spark.runtime.failures import describe
@@ -233,14 +232,16 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
         raw = stored.filter(without(devices, device_col)).select(*[c for c in stored.columns if c not in ADDED_COLUMNS])
         # The rows were checked when they were labelled; validated() only prepares their features here
         # (k_per_device is not read again: it may name a side table that has changed since).
-        checked, dim = validated(raw, dataclasses.replace(cfg, k_per_device=1), old.dim)
+        checked, dim = validated(raw, cfg.with_algorithm(k_per_device=1).fitting, old.dim)
         schemas = output_schemas(raw.schema, device_col)
         tables.prepare(schemas, stats_columns(device_col), tables.check(schemas))
         tables.register()
         fault_injection.point("created")
     if row.parent_run_id is not None:  # no server step: the model it takes
         local, server, ids = with_parent_model(tables, row, local, devices)
-        model = local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True, cluster_ids=ids)
+        model = local.label_model(
+            server.assignment, server.centers, cfg.algorithm.label_mode, label_unseen=True, cluster_ids=ids
+        )
         return Refit(
             Clustering(checked, dim, local, server, model, ids),
             raw.schema,
@@ -251,11 +252,12 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
         )
     stable = row.identity_mode == "stable"
     with timer.stage("server_step"):
-        cfg, chosen = choose_k(local, cfg, timer)
+        fitting, chosen = choose_k(local, cfg.fitting, timer)
+        cfg = dataclasses.replace(cfg, algorithm=fitting.algorithm)
         reference = current_reference(tables, ledger, row) if stable else None
         initial = reference.clusters.centers if reference is not None and cfg.identity.warm_start else None
         try:
-            local, server = merged_on_driver(local, AlgorithmParams.of(cfg), initial)
+            local, server = merged_on_driver(local, cfg.algorithm, initial)
         except ValueError as exc:
             raise KFedError(f"run {run_id!r} without those devices: {exc}") from None
         if server is None:
@@ -284,7 +286,9 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
             largest_share(local.devices, ids[server.assignment], local.counts),
             local.table.schema.field("device_id").type,
         )
-    model = local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True, cluster_ids=ids)
+    model = local.label_model(
+        server.assignment, server.centers, cfg.algorithm.label_mode, label_unseen=True, cluster_ids=ids
+    )
     return Refit(
         Clustering(checked, dim, local, server, model, ids, chosen),
         raw.schema,

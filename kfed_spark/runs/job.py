@@ -164,7 +164,7 @@ def validate(
     known_runs = in_background(ledger.rows_if_any)
     applies = parent_run_id is not None or model_path is not None
     parent = finished_model(tables, parent_run_id, model_path) if applies else None
-    checked, dim = validated(raw, cfg, None if parent is None else parent.dim)
+    checked, dim = validated(raw, cfg.fitting, None if parent is None else parent.dim)
     devices.result()
     checked_location = location.result()
     known = known_runs.result()
@@ -236,7 +236,7 @@ def fit_with_ids(
     def reference_centers() -> np.ndarray | None:
         return reference_read.result().clusters.centers if cfg.identity.warm_start and reference_read else None
 
-    clustering = fit_checked(checked, dim, device_type, cfg, timer, reference_centers)
+    clustering = fit_checked(checked, dim, device_type, cfg.fitting, timer, reference_centers)
     with timer.stage("identity"):
         reference = None if reference_read is None else reference_read.result()
         matching, summary = cluster_identity(cfg, clustering, reference, next_id)
@@ -283,11 +283,11 @@ def apply_model(checked: DataFrame, dim: int, cfg: KFedConfig, parent: StoredMod
     valid = checked.filter(F.col(REASON_COL).isNull())
     with timer.stage("local_step"):
         local, assignment = extend_with_new_devices(
-            valid, cfg, dim, LocalCenters.from_arrow(parent.local, dim), parent.assignment, parent.centers
+            valid, cfg.fitting, dim, LocalCenters.from_arrow(parent.local, dim), parent.assignment, parent.centers
         )
     server = ServerClustering(parent.centers, assignment, seed_device=None, refine_iterations=0)
     model = local.label_model(
-        assignment, parent.centers, cfg.label_mode, label_unseen=True, cluster_ids=parent.cluster_ids
+        assignment, parent.centers, cfg.algorithm.label_mode, label_unseen=True, cluster_ids=parent.cluster_ids
     )
     return Clustering(checked, dim, local, server, model, parent.cluster_ids)
 
@@ -317,18 +317,18 @@ def attempt_row(
             "parent_run_id": parent_run_id,
             "started_at": started_at,
             "input": inp.table or f"{inp.format}:{inp.path}",
-            "k": 0 if cfg.k == "auto" else cfg.k,  # a k auto run's, once its sweep has chosen
-            "k_range": list(cfg.k_range) if cfg.k == "auto" else None,
-            "k_per_device": str(cfg.k_per_device),
-            "seed": cfg.seed,
-            "seeding": cfg.seeding,
-            "server_refine": cfg.server_refine,
-            "label_mode": cfg.label_mode,
-            "local_restarts": cfg.local_restarts,
-            "robust_min_size": float(cfg.robust_min_size),
-            "min_center_points": cfg.min_center_points,
-            "privacy_epsilon": None if cfg.privacy_epsilon is None else float(cfg.privacy_epsilon),
-            "privacy_delta": None if cfg.privacy_epsilon is None else float(cfg.privacy_delta),
+            "k": 0 if cfg.algorithm.k == "auto" else cfg.algorithm.k,  # a k auto run's, once its sweep has chosen
+            "k_range": list(cfg.algorithm.k_range) if cfg.algorithm.k == "auto" else None,
+            "k_per_device": str(cfg.algorithm.k_per_device),
+            "seed": cfg.algorithm.seed,
+            "seeding": cfg.algorithm.seeding,
+            "server_refine": cfg.algorithm.server_refine,
+            "label_mode": cfg.algorithm.label_mode,
+            "local_restarts": cfg.algorithm.local_restarts,
+            "robust_min_size": float(cfg.algorithm.robust_min_size),
+            "min_center_points": cfg.algorithm.min_center_points,
+            "privacy_epsilon": None if cfg.algorithm.privacy_epsilon is None else float(cfg.algorithm.privacy_epsilon),
+            "privacy_delta": None if cfg.algorithm.privacy_epsilon is None else float(cfg.algorithm.privacy_delta),
             "timings": {},
             "config": json.dumps(as_dict(cfg), sort_keys=True),
             "versions": package_versions(),
@@ -340,27 +340,29 @@ def plan(spark: SparkSession, cfg: KFedConfig) -> str:
     """What `run` would do, checked against the input's schema and the output tables; writes nothing."""
     raw = read_input(spark, cfg.input)
     tables = OutputTables(spark, cfg.output)
-    _, dim = validated(raw, cfg)
+    _, dim = validated(raw, cfg.fitting)
     existing = []
     for name, schema in output_schemas(raw.schema, cfg.input.device_col).items():
         if tables.check_log(name):
             added = tables.check_schema(name, schema)
             existing.append(name + (f" (would add {', '.join(f.name for f in added)})" if added else ""))
-    lo, hi = cfg.k_range
+    params = cfg.algorithm
+    lo, hi = params.k_range
     k_setting = (
         f"k = auto (after the local step, a sweep of k = {lo}..{hi} over the local centers chooses it)"
-        if cfg.k == "auto"
-        else f"k = {cfg.k}"
+        if params.k == "auto"
+        else f"k = {params.k}"
     )
     return "\n".join(
         [
             f"input: {cfg.input.table or cfg.input.format + ' ' + str(cfg.input.path)}",
             f"  columns: {', '.join(f'{f.name} {f.dataType.simpleString()}' for f in raw.schema.fields)}",
             f"  device column: {cfg.input.device_col}; features: {cfg.input.features_col} (dimension {dim})",
-            f"k-FED: {k_setting}, k_per_device = {cfg.k_per_device}, seed = {cfg.seed}, "
-            f"local_restarts = {cfg.local_restarts}, seeding = {cfg.seeding}, robust_min_size = {cfg.robust_min_size}, "
-            f"server_refine = {cfg.server_refine}, server_step = {cfg.server_step}, label_mode = {cfg.label_mode}, "
-            f"max_rows_per_device = {cfg.max_rows_per_device}, on_bad_rows = {cfg.on_bad_rows}",
+            f"k-FED: {k_setting}, k_per_device = {params.k_per_device}, seed = {params.seed}, "
+            f"local_restarts = {params.local_restarts}, seeding = {params.seeding}, robust_min_size = "
+            f"{params.robust_min_size}, server_refine = {params.server_refine}, server_step = {params.server_step}, "
+            f"label_mode = {params.label_mode}, max_rows_per_device = {params.max_rows_per_device}, "
+            f"on_bad_rows = {cfg.on_bad_rows}",
             f"run id: {cfg.run_id or '(from the start time)'}",
             f"cluster ids: {cfg.identity.mode}"
             + (

@@ -173,7 +173,7 @@ def start(spark: SparkSession, cfg: KFedConfig, model: StoredModel, available_no
         )
 
     writer = (
-        labelled_plan(source, cfg, model.label_model(cfg.label_mode, label_unseen=True), model.dim)
+        labelled_plan(source, cfg.fitting, model.label_model(cfg.algorithm.label_mode, label_unseen=True), model.dim)
         .writeStream.foreachBatch(write_batch)
         .option("checkpointLocation", checkpoint)
         .queryName("kfed_stream")

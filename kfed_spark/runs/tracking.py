@@ -23,7 +23,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kfed_spark.errors import first_line
-from kfed_spark.params import AlgorithmParams
 
 log = logging.getLogger("kfed_spark")
 
@@ -68,7 +67,7 @@ def log_attempt(cfg, row, tables, clustering) -> str:
     mlflow_run_id = run.info.run_id
     try:
         now = int(time.time() * 1000)
-        params = asdict(AlgorithmParams.of(cfg))
+        params = asdict(cfg.algorithm)
         params.update(k=row.k, identity_mode=row.identity_mode, label_mode=row.label_mode)
         figures = {name: getattr(row, name) for name in ("n_input", "n_labelled", "n_quarantined", "n_devices")}
         figures.update(

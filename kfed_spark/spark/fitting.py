@@ -32,7 +32,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from kfed_spark.config import KFedConfig
+from kfed_spark.config import FitSettings
 from kfed_spark.core.identity import ClusterSummary
 from kfed_spark.core.k_sweep import KSweep, k_values, sweep
 from kfed_spark.core.labels import LabelModel
@@ -112,21 +112,21 @@ class Clustering:
 
 
 def fit(
-    raw: DataFrame, cfg: KFedConfig, timer: StageTimer | None = None, initial: np.ndarray | None = None
+    raw: DataFrame, settings: FitSettings, timer: StageTimer | None = None, initial: np.ndarray | None = None
 ) -> Clustering:
     """Validate the input, run alg. 1 on every device in the executors and alg. 2 on the driver
     (warm-started from `initial` centers, if given)."""
     timer = timer or StageTimer()
     with timer.stage("validate"):
-        checked, dim = validated(raw, cfg)
-    return fit_checked(checked, dim, raw.schema[cfg.input.device_col].dataType, cfg, timer, lambda: initial)
+        checked, dim = validated(raw, settings)
+    return fit_checked(checked, dim, raw.schema[settings.input.device_col].dataType, settings, timer, lambda: initial)
 
 
 def fit_checked(
     checked: DataFrame,
     dim: int,
     device_type,
-    cfg: KFedConfig,
+    settings: FitSettings,
     timer: StageTimer,
     warm_start: Callable[[], np.ndarray | None] = lambda: None,
 ) -> Clustering:
@@ -134,7 +134,7 @@ def fit_checked(
     step with (server_step.server_step's initial), called once the local step is done; the distributed server
     step does not take them.
 
-    The server step runs on the driver, or distributed (kfed_spark.spark.distributed) as cfg.server_step
+    The server step runs on the driver, or distributed (kfed_spark.spark.distributed) as settings.algorithm.server_step
     says; unless it is "driver", the local centers are cached and counted, and "auto" picks by
     their number. Either way the driver ends up with every local center, for the labelling model:
     what leaves the driver with "distributed" is the merge, the server step's memory and work.
@@ -143,18 +143,22 @@ def fit_checked(
     chooses k before the server step; the sweep runs on the driver whatever server_step says."""
     valid = checked.filter(F.col(REASON_COL).isNull())
     with timer.stage("local_step"):
-        frame = local_centers_frame(valid, cfg, dim, device_type)
-        where = cfg.server_step
+        frame = local_centers_frame(valid, settings, dim, device_type)
+        where = settings.algorithm.server_step
         if where != "driver":
             frame = frame.persist()
             n_local = frame.count()  # the local step runs here; the server step reads the cached result
             if where == "auto":
-                where = "distributed" if n_local > cfg.server_distributed_above else "driver"
-        local = LocalCenters.from_arrow(frame.toArrow(), dim) if where == "driver" or cfg.k == "auto" else None
+                where = "distributed" if n_local > settings.algorithm.server_distributed_above else "driver"
+        local = (
+            LocalCenters.from_arrow(frame.toArrow(), dim)
+            if where == "driver" or settings.algorithm.k == "auto"
+            else None
+        )
     chosen = None
     try:
-        cfg, chosen = choose_k(local, cfg, timer)
-        params = AlgorithmParams.of(cfg)
+        settings, chosen = choose_k(local, settings, timer)
+        params = settings.algorithm
         with timer.stage("server_step"):
             try:
                 if where == "driver":
@@ -166,12 +170,12 @@ def fit_checked(
             except ValueError as exc:
                 raise KFedError(str(exc)) from None
     finally:
-        if cfg.server_step != "driver":
+        if settings.algorithm.server_step != "driver":
             frame.unpersist()
     if server is None and not valid.isEmpty():
         raise InputError(
-            f"no device has a local cluster of at least min_center_points = {cfg.min_center_points} rows, so no "
-            "local center can be shared; lower min_center_points"
+            "no device has a local cluster of at least min_center_points = "
+            f"{settings.algorithm.min_center_points} rows, so no local center can be shared; lower min_center_points"
         )
     if server is None:
         raise InputError(f"no row of the input can be clustered (all {checked.count()} rows are bad; see quarantine)")
@@ -180,7 +184,7 @@ def fit_checked(
         where,
         len(local.counts),
         len(np.unique(local.devices)),
-        cfg.k,
+        settings.algorithm.k,
         server.seed_device,
         server.refine_iterations,
     )
@@ -190,21 +194,22 @@ def fit_checked(
         local,
         server,
         # a device whose local centers were all too small to share (min_center_points): as an unseen one
-        local.label_model(server.assignment, server.centers, cfg.label_mode, label_unseen=True),
+        local.label_model(server.assignment, server.centers, settings.algorithm.label_mode, label_unseen=True),
         np.arange(len(server.centers)),
         chosen,
     )
 
 
-def choose_k(local: LocalCenters | None, cfg: KFedConfig, timer: StageTimer) -> tuple[KFedConfig, KSweep | None]:
-    """With k 'auto', the sweep over k_range (kfed_spark.core.k_sweep) and the config with the k it recommends;
-    else the config as it is and no sweep."""
-    if cfg.k != "auto" or not len(local.counts):
-        return cfg, None
+def choose_k(local: LocalCenters | None, settings: FitSettings, timer: StageTimer) -> tuple[FitSettings, KSweep | None]:
+    """With k 'auto', the sweep over k_range (kfed_spark.core.k_sweep) and the settings with the k it
+    recommends; else the settings as they are and no sweep."""
+    if settings.algorithm.k != "auto" or not len(local.counts):
+        return settings, None
     with timer.stage("k_sweep"):
-        chosen = local.sweep(k_values(*cfg.k_range), AlgorithmParams.of(cfg))
-    log.info("k auto: the sweep of k = %d..%d recommends k = %d", *cfg.k_range, chosen.recommended_k)
-    return dataclasses.replace(cfg, k=chosen.recommended_k), chosen
+        chosen = local.sweep(k_values(*settings.algorithm.k_range), settings.algorithm)
+    log.info("k auto: the sweep of k = %d..%d recommends k = %d", *settings.algorithm.k_range, chosen.recommended_k)
+    algorithm = dataclasses.replace(settings.algorithm, k=chosen.recommended_k)
+    return dataclasses.replace(settings, algorithm=algorithm), chosen
 
 
 def merged_on_driver(
@@ -231,7 +236,7 @@ def merged_in_spark(
     )
 
 
-def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[DataFrame, int]:
+def validated(raw: DataFrame, settings: FitSettings, dim: int | None = None) -> tuple[DataFrame, int]:
     """The input with a double-array features column, its dimension, and a reason column.
 
     The reason is set here when the device is null, the features are null or empty, or their
@@ -239,7 +244,7 @@ def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[
     and infinite values are found by the Python functions, where numpy checks them for free;
     a Spark SQL check per element costs a lambda call per value.
     """
-    inp = cfg.input
+    inp = settings.input
     columns = set(raw.columns)
     if inp.device_col not in columns:
         raise InputError(f"input has no device column {inp.device_col!r}; columns: {', '.join(raw.columns)}")
@@ -247,8 +252,12 @@ def validated(raw: DataFrame, cfg: KFedConfig, dim: int | None = None) -> tuple[
         raise InputError(
             f"input has no truth column {inp.truth_col!r} (input.truth_col); columns: {', '.join(raw.columns)}"
         )
-    if isinstance(cfg.k_per_device, str) and cfg.k_per_device != "auto" and cfg.k_per_device not in columns:
-        k_side_table(raw.sparkSession, cfg.k_per_device, inp.device_col)
+    if (
+        isinstance(settings.algorithm.k_per_device, str)
+        and settings.algorithm.k_per_device != "auto"
+        and settings.algorithm.k_per_device not in columns
+    ):
+        k_side_table(raw.sparkSession, settings.algorithm.k_per_device, inp.device_col)
     clashes = [c for c in (*ADDED_COLUMNS, FEATURES_COL, REASON_COL) if c in columns]
     if clashes:
         raise InputError(f"input already has column(s) {', '.join(clashes)}, which the output adds; rename them")
@@ -375,36 +384,38 @@ class LocalCenters:
         )
 
 
-def collect_local_centers(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> LocalCenters:
+def collect_local_centers(valid: DataFrame, settings: FitSettings, dim: int, device_type) -> LocalCenters:
     """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
-    return LocalCenters.from_arrow(local_centers_frame(valid, cfg, dim, device_type).toArrow(), dim)
+    return LocalCenters.from_arrow(local_centers_frame(valid, settings, dim, device_type).toArrow(), dim)
 
 
-def local_centers_frame(valid: DataFrame, cfg: KFedConfig, dim: int, device_type) -> DataFrame:
+def local_centers_frame(valid: DataFrame, settings: FitSettings, dim: int, device_type) -> DataFrame:
     """Alg. 1 on every device, as a DataFrame of local centers (LOCAL_CENTER_COLUMNS)."""
-    fixed = not isinstance(cfg.k_per_device, str)
+    fixed = not isinstance(settings.algorithm.k_per_device, str)
     spec = LocalStepSpec(
-        cfg.k_per_device if fixed else min(cfg.largest_k, cfg.k_per_device_max),
-        AlgorithmParams.of(cfg),
+        settings.algorithm.k_per_device
+        if fixed
+        else min(settings.algorithm.largest_k, settings.algorithm.k_per_device_max),
+        settings.algorithm,
         dim,
         to_arrow_type(device_type),
-        k_source="fixed" if fixed else "auto" if cfg.k_per_device == "auto" else "column",
-        noise_key=None if cfg.privacy_epsilon is None else secrets.randbits(128),
+        k_source="fixed" if fixed else "auto" if settings.algorithm.k_per_device == "auto" else "column",
+        noise_key=None if settings.algorithm.privacy_epsilon is None else secrets.randbits(128),
         task_fault=fault_injection.task_fault(),
     )
     schema = StructType([StructField("device_id", device_type, False), *LOCAL_CENTER_FIELDS])
-    rows = local_step_rows(valid, cfg)
-    partitions = cfg.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
+    rows = local_step_rows(valid, settings)
+    partitions = settings.local_partitions or int(valid.sparkSession.conf.get("spark.sql.shuffle.partitions"))
     shuffled = rows.repartition(partitions, "device_id").sortWithinPartitions("device_id")
     return shuffled.mapInArrow(lambda batches: local_centers_from_batches(batches, spec), schema)
 
 
-def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:
+def local_step_rows(valid: DataFrame, settings: FitSettings) -> DataFrame:
     """(device_id, features) of the valid rows, plus each row's device's k_z when k_per_device
     names a column of the input or a side table (device column + `k`), checked to be in [1, k]."""
-    device_col = cfg.input.device_col
+    device_col = settings.input.device_col
     rows = valid.select(F.col(device_col), F.col(FEATURES_COL))
-    source = cfg.k_per_device
+    source = settings.algorithm.k_per_device
     if isinstance(source, str) and source != "auto":
         if source in valid.columns:
             rows = valid.select(device_col, FEATURES_COL, F.col(source).alias(DEVICE_K_COL))
@@ -416,11 +427,13 @@ def local_step_rows(valid: DataFrame, cfg: KFedConfig) -> DataFrame:
         if not isinstance(rows.schema[DEVICE_K_COL].dataType, NumericType):
             raise InputError(f"k_per_device column {source!r} is not numeric")
         k_z = F.col(DEVICE_K_COL)
-        bad = rows.filter(k_z.isNull() | (k_z < 1) | (k_z > cfg.largest_k) | (k_z != F.floor(k_z))).first()
+        bad = rows.filter(
+            k_z.isNull() | (k_z < 1) | (k_z > settings.algorithm.largest_k) | (k_z != F.floor(k_z))
+        ).first()
         if bad is not None:
             raise InputError(
-                f"k_per_device from {source!r} must be a whole number in [1, k = {cfg.largest_k}] for every device; "
-                f"device {bad[device_col]!r} has {bad[DEVICE_K_COL]!r}"
+                f"k_per_device from {source!r} must be a whole number in [1, k = {settings.algorithm.largest_k}] for "
+                f"every device; device {bad[device_col]!r} has {bad[DEVICE_K_COL]!r}"
             )
         rows = rows.withColumn(DEVICE_K_COL, k_z.cast("int"))
     return rows.withColumnRenamed(device_col, "device_id")

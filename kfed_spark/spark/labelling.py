@@ -22,7 +22,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from kfed_spark.config import KFedConfig
+from kfed_spark.config import FitSettings
 from kfed_spark.core.evaluation import EvaluationSpec
 from kfed_spark.core.labels import LabelModel
 from kfed_spark.spark.fitting import (
@@ -58,11 +58,11 @@ LABELS_TYPE = StructType(
 
 
 def extend_with_new_devices(
-    valid: DataFrame, cfg: KFedConfig, dim: int, local: LocalCenters, assignment: np.ndarray, centers: np.ndarray
+    valid: DataFrame, settings: FitSettings, dim: int, local: LocalCenters, assignment: np.ndarray, centers: np.ndarray
 ) -> tuple[LocalCenters, np.ndarray]:
     """Run alg. 1 on the devices of `valid` that `local` does not hold, and give each of their local
     centers the nearest global center: O(k_z k) distance work per new device, no other device touched."""
-    device_col = cfg.input.device_col
+    device_col = settings.input.device_col
     device_type = valid.schema[device_col].dataType
     known = valid.sparkSession.createDataFrame(
         pa.table({"known_device": pa.array(np.unique(local.devices).tolist())})
@@ -70,16 +70,16 @@ def extend_with_new_devices(
     new_rows = valid.join(F.broadcast(known), valid[device_col] == known["known_device"], "left_anti")
     if new_rows.isEmpty():
         return local, assignment
-    new = collect_local_centers(new_rows, cfg, dim, device_type)
+    new = collect_local_centers(new_rows, settings, dim, device_type)
     log.info("%d devices the model had not seen: %d local centers", len(np.unique(new.devices)), len(new.counts))
     return local.joined(new, assignment, centers)
 
 
-def labelled_plan(rows: DataFrame, cfg: KFedConfig, model: LabelModel, dim: int) -> DataFrame:
+def labelled_plan(rows: DataFrame, settings: FitSettings, model: LabelModel, dim: int) -> DataFrame:
     """The rows (streaming or not) checked and labelled with a finished model: a plan, no Spark job
     (the dimension is the model's). What KFedModel.transform and `kfed-spark stream` run."""
-    checked, _ = validated(rows, cfg, dim)
-    return label_rows(checked, model, rows.schema, cfg.input.device_col, dim)
+    checked, _ = validated(rows, settings, dim)
+    return label_rows(checked, model, rows.schema, settings.input.device_col, dim)
 
 
 def label_rows(
