@@ -23,9 +23,10 @@ from kfed_spark.config import FitSettings, InputConfig, OutputConfig, validate_c
 from kfed_spark.core.identity import match_clusters
 from kfed_spark.core.k_sweep import KSweep, k_values
 from kfed_spark.core.linalg import between_sse
+from kfed_spark.core.local_centers import LocalCenters
 from kfed_spark.estimator_params import GeneratedParams, GeneratedSetters
 from kfed_spark.params import AlgorithmParams, camel
-from kfed_spark.spark.fitting import REASON_COL, LocalCenters, fit
+from kfed_spark.spark.fitting import REASON_COL, fit
 from kfed_spark.spark.labelling import labelled_plan
 from kfed_spark.spark.workers import SQ_DIST_COL
 from kfed_spark.store.delta import rows_frame

@@ -9,11 +9,11 @@ import pytest
 from helpers import MIXTURE, fitted_labels
 from kfed_spark.bench.synthetic import close_means_mixture
 from kfed_spark.core.linalg import nearest_center
+from kfed_spark.core.local_centers import feature_matrix
 from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.core.reference import local_clusterings
 from kfed_spark.core.server_step import representatives, server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix
 
 
 @pytest.mark.fast
@@ -49,7 +49,7 @@ def test_merging_each_partitions_representatives_costs_what_merging_all_local_ce
     reps, weights = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     assert len(reps) <= 4 * params.k < len(local.centers)
     merged = server_step(reps, weights, np.arange(len(reps)), np.zeros(len(reps)), replace(params, robust_min_size=0))
-    driver = server_step(local.centers, local.counts, local.devices, local.local_ids, params)
+    driver = server_step(local.centers, local.counts, local.devices, local.ids, params)
 
     def cost(centers):
         return float(local.counts @ nearest_center(local.centers, centers)[1])

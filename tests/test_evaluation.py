@@ -7,8 +7,9 @@ import pytest
 
 from kfed_spark.core.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.core.labels import LabelModel
+from kfed_spark.core.local_centers import features_array
 from kfed_spark.core.metrics import adjusted_rand_index, ari_of, cost_of_labels
-from kfed_spark.spark.workers import EVALUATION_COL, features_array, label_arrays
+from kfed_spark.spark.workers import EVALUATION_COL, label_arrays
 
 pytestmark = pytest.mark.fast
 

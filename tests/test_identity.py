@@ -16,11 +16,11 @@ from kfed_spark.cli import main
 from kfed_spark.core.identity import ClusterSummary, match_clusters, matching_by_ids
 from kfed_spark.core.labels import assigned_with_margin
 from kfed_spark.core.linalg import nearest_center
+from kfed_spark.core.local_centers import feature_matrix
 from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.core.reference import local_clusterings
 from kfed_spark.core.server_step import server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix
 
 K = 20
 
@@ -30,7 +30,7 @@ def summary(table, params, initial=None, local=None) -> tuple[ClusterSummary, np
     local: the rows' local step, if already taken (it does not depend on the server's settings)."""
     x, devices = feature_matrix(table.column("features")), table.column("device_id").to_numpy()
     local = local_clusterings(x, devices, params) if local is None else local
-    server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
+    server = server_step(local.centers, local.counts, local.devices, local.ids, params, initial)
     labels, sq_dist = nearest_center(x, server.centers)
     sse = np.bincount(labels, weights=sq_dist, minlength=params.k)
     return ClusterSummary(

@@ -24,10 +24,10 @@ from helpers import (
 from kfed_spark.bench import synthetic
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.cli import main
+from kfed_spark.core.local_centers import feature_matrix, features_array
 from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix, features_array
 from kfed_spark.store.tables import TABLES
 
 

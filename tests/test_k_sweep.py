@@ -7,10 +7,10 @@ import pytest
 
 from kfed_spark.bench.synthetic import close_means_mixture, mixture, uneven_mixture
 from kfed_spark.core.k_sweep import k_values, sweep
+from kfed_spark.core.local_centers import feature_matrix
 from kfed_spark.core.metrics import cost_of_labels
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix
 
 pytestmark = pytest.mark.fast
 
@@ -26,7 +26,7 @@ def rows_of(table):
 def swept(x, devices, k_per_device, ks, **settings):
     params = AlgorithmParams(k=max(ks), k_per_device=k_per_device, **settings)
     local = local_clusterings(x, devices, params)
-    return sweep(local.centers, local.counts, local.sse, local.devices, local.local_ids, ks, params), local, params
+    return sweep(local.centers, local.counts, local.sse, local.devices, local.ids, ks, params), local, params
 
 
 def test_well_separated_clusters_of_even_sizes_give_the_true_k_by_every_criterion():

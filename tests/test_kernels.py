@@ -9,13 +9,13 @@ from kfed_spark.core import local_step as local_step_module
 from kfed_spark.core import server_step as server_step_module
 from kfed_spark.core.labels import nearest_device_center
 from kfed_spark.core.linalg import centered, device_rng, kmeans_plusplus, lloyd, nearest_center, squared_distances
+from kfed_spark.core.local_centers import feature_matrix
 from kfed_spark.core.local_step import estimate_local_k, local_step, margin_initial_centers
 from kfed_spark.core.metrics import adjusted_rand_index, within_cluster_cost
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.core.sampling import scale_counts
 from kfed_spark.core.server_step import server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix
 
 pytestmark = pytest.mark.fast
 

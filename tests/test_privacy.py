@@ -11,13 +11,13 @@ from helpers import MIXTURE, N_ROWS, labels_of, published, report_folder, run_cl
 from kfed_spark.bench.synthetic import mixture
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
+from kfed_spark.core.local_centers import feature_matrix
 from kfed_spark.core.local_step import noisy_cluster_sums, private_local_step
 from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.core.privacy import NoiseScales, gdp_mu
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.errors import ConfigError
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix
 
 
 def privacy_loss_delta(epsilon: float, mu: float) -> float:

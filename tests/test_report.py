@@ -16,11 +16,11 @@ from helpers import MIXTURE, needs_shared_data, published, report_folder, runs_o
 from kfed_spark.bench.datasets import hashed_ngram_tfidf, load
 from kfed_spark.bench.synthetic import mixture
 from kfed_spark.cli import main
+from kfed_spark.core.local_centers import feature_matrix
 from kfed_spark.core.reference import federated_kmeans
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.runs import report
 from kfed_spark.runtime.fault_injection import FAULT_ENV
-from kfed_spark.spark.workers import feature_matrix
 
 
 class PageParser(HTMLParser):

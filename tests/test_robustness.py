@@ -8,11 +8,11 @@ import pytest
 from helpers import FAR_MIXTURE, FEATURE_MOVES, spread
 from kfed_spark.bench import synthetic
 from kfed_spark.core.linalg import device_rng
+from kfed_spark.core.local_centers import LocalCenters, feature_matrix
 from kfed_spark.core.local_step import local_step
 from kfed_spark.core.metrics import adjusted_rand_index
-from kfed_spark.core.reference import DeviceClusterings, federated_kmeans, local_clusterings
+from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix
 
 pytestmark = pytest.mark.fast
 
@@ -78,7 +78,7 @@ def test_string_and_integer_device_ids_give_the_same_clustering():
 
 
 @functools.cache
-def far_mixture(move: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, DeviceClusterings]:
+def far_mixture(move: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, LocalCenters]:
     """(rows, devices, truth, local step) of FAR_MIXTURE, its features moved by FEATURE_MOVES[move] (as given
     with None). The local step depends on none of the settings the shift-and-scale cases vary, so the eight
     cases share one per move (it is most of their time)."""

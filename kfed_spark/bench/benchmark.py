@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kfed_spark.config import build_config
+from kfed_spark.core.local_centers import feature_matrix
 from kfed_spark.core.metrics import adjusted_rand_index, cost_of_labels
 from kfed_spark.core.reference import federated_kmeans
 from kfed_spark.params import DEFAULTS, AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix
 from kfed_spark.store.tables import stats_columns
 
 log = logging.getLogger("kfed_spark")

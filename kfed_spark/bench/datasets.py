@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kfed_spark.core.local_centers import features_array
 from kfed_spark.errors import InputError
-from kfed_spark.spark.workers import features_array
 
 DATA_DIR_ENV = "KFED_DATA_DIR"
 

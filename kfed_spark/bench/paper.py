@@ -32,10 +32,10 @@ import pyarrow.parquet as pq
 from kfed_spark.bench.quality import K_PER_DEVICE, Problem, problems
 from kfed_spark.bench.synthetic import MEAN_SCALE, median_nearest_mean_distance
 from kfed_spark.core.linalg import device_rng
+from kfed_spark.core.local_centers import features_array
 from kfed_spark.core.metrics import ari_of, clusters_in_effect, contingency, cost_of_labels, matched_accuracy_of
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import LABEL_MODES, AlgorithmParams
-from kfed_spark.spark.workers import features_array
 
 K_PRIMES = {"femnist": (2, 4, 8, 16, 32), "shakespeare": (1, 2, 4, 8, 16), "mixture": (1, 2, 4, 8, 16)}
 """The k' each dataset's partition study sweeps (FEMNIST writers hold 3 to 58 classes, a Shakespeare role

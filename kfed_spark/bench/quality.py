@@ -24,10 +24,10 @@ from kfed_spark.bench.datasets import DATASETS, load
 from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture, uneven_mixture
 from kfed_spark.core.k_sweep import k_values, sweep
 from kfed_spark.core.linalg import device_rng
+from kfed_spark.core.local_centers import LocalCenters, feature_matrix, features_array
 from kfed_spark.core.metrics import ari_of, contingency, cost_of_labels, nmi_of
-from kfed_spark.core.reference import DeviceClusterings, federated_kmeans, local_clusterings
+from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import DEFAULTS, LABEL_MODES, SEEDING_RULES, AlgorithmParams
-from kfed_spark.spark.workers import feature_matrix, features_array
 
 SYNTHETIC = dict(k=16, k_per_device=4, devices=100, points_per_device=100, dim=16)
 OUTLIER_DEVICES = 10
@@ -140,7 +140,7 @@ def k_choice(problem: Problem, local, params: AlgorithmParams) -> KChoiceRow:
     """The sweep of k = 2..max(2 true k, 20) (below the number of local centers) over the run's local centers."""
     top = min(max(2 * problem.k, 20), len(local.counts) - 1)
     start = time.perf_counter()
-    result = sweep(local.centers, local.counts, local.sse, local.devices, local.local_ids, k_values(2, top), params)
+    result = sweep(local.centers, local.counts, local.sse, local.devices, local.ids, k_values(2, top), params)
     return KChoiceRow(
         problem.name,
         problem.k,
@@ -274,7 +274,7 @@ def evaluate(
     return rows, choice, support, privacy_rows(problem, seed, k_z, reference, nearest.ari)
 
 
-def combinations(problem: Problem, k_z: int, seed: int, add: Add) -> tuple[KChoiceRow, DeviceClusterings]:
+def combinations(problem: Problem, k_z: int, seed: int, add: Add) -> tuple[KChoiceRow, LocalCenters]:
     """Every combination of COMBINATIONS; the k sweep's choice and the default restarts' local step."""
     for restarts in RESTARTS_TRIED:  # the local step depends on the restarts only: run it once for each
         start = time.perf_counter()
@@ -305,7 +305,7 @@ def combinations(problem: Problem, k_z: int, seed: int, add: Add) -> tuple[KChoi
     return choice, default_local
 
 
-def defaults_and_variants(problem: Problem, k_z: int, seed: int, add: Add) -> DeviceClusterings:
+def defaults_and_variants(problem: Problem, k_z: int, seed: int, add: Add) -> LocalCenters:
     """The defaults with k_per_device auto, a warm start from the day before, and every local center shared;
     the local step of the last."""
     start = time.perf_counter()
@@ -327,7 +327,7 @@ def defaults_and_variants(problem: Problem, k_z: int, seed: int, add: Add) -> De
 
 
 def support_row(
-    problem: Problem, by_method: dict[str, QualityRow], default_local: DeviceClusterings, every_local: DeviceClusterings
+    problem: Problem, by_method: dict[str, QualityRow], default_local: LocalCenters, every_local: LocalCenters
 ) -> SupportRow:
     """What minimum support held back with the defaults, against sharing every local center."""
     default, sharing_all = by_method[combination_name(*DEFAULT_COMBINATION)], by_method[SHARE_ALL]

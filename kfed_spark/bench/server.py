@@ -48,7 +48,7 @@ def generated_local_centers(spark, path: str, devices: int, per_device: int, k: 
     executors (the driver never holds them), with the mean each one was drawn around (true_cluster)."""
     from kfed_spark.bench.synthetic import MEAN_SCALE
     from kfed_spark.core.linalg import device_rng
-    from kfed_spark.spark.workers import features_array
+    from kfed_spark.core.local_centers import features_array
 
     means = np.random.default_rng([seed, 0x5E]).normal(0.0, MEAN_SCALE, size=(k, dim))
 

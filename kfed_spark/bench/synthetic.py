@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.core.linalg import device_rng
-from kfed_spark.spark.workers import features_array
+from kfed_spark.core.local_centers import features_array
 
 MEAN_SCALE = 4.0
 """Cluster means are drawn from N(0, MEAN_SCALE^2 I); points add N(0, I) noise: well separated."""

@@ -39,7 +39,7 @@ SPLIT_STEP = 1e-6
 
 
 @dataclass(frozen=True)
-class LocalClustering:
+class DeviceCenters:
     """What one device shares: its centers, their point counts and sums of squared errors."""
 
     centers: np.ndarray  # (m, d) float64
@@ -66,7 +66,7 @@ def margin_initial_centers(x: np.ndarray, projected: np.ndarray, weights: np.nda
     return np.where(margin_mass[:, None] > 0, margin_means, cell_means)
 
 
-def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: AlgorithmParams = DEFAULTS) -> LocalClustering:
+def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: AlgorithmParams = DEFAULTS) -> DeviceCenters:
     """Alg. 1 on one device's rows x (n, d): at most k local centers with counts and SSE, with
     params' local_restarts, max_iter and tol.
 
@@ -78,7 +78,7 @@ def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: Algorith
     """
     distinct, counts = distinct_rows(x)
     if len(distinct) <= k:
-        return LocalClustering(distinct, counts.astype(np.int64), np.zeros(len(distinct)))
+        return DeviceCenters(distinct, counts.astype(np.int64), np.zeros(len(distinct)))
     weights = counts.astype(np.float64)
     rows, origin = centered(distinct, weights)
     rank = min(k, rows.shape[1])
@@ -89,12 +89,12 @@ def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: Algorith
     mass = np.bincount(labels, weights=weights, minlength=k)
     sse = np.bincount(labels, weights=weights * sq_dist, minlength=k)
     keep = mass > 0
-    return LocalClustering(centers[keep] + origin, mass[keep].astype(np.int64), sse[keep])
+    return DeviceCenters(centers[keep] + origin, mass[keep].astype(np.int64), sse[keep])
 
 
 def private_local_step(
     x: np.ndarray, k: int, rng: np.random.Generator, noise: np.random.Generator, params: AlgorithmParams
-) -> LocalClustering:
+) -> DeviceCenters:
     """The local step in alg. 1's place when privacy_epsilon is set: what it shares is
     (privacy_epsilon, privacy_delta)-differentially private per row (kfed_spark.core.privacy).
 
@@ -124,7 +124,7 @@ def private_local_step(
         moved = counts >= 1
         centers[moved] = np.clip(sums[moved] / counts[moved, None], -half, half)
     shared_counts = np.where(moved, np.rint(counts), 0).astype(np.int64)
-    return LocalClustering(centers + middle, shared_counts, np.full(len(centers), np.nan))
+    return DeviceCenters(centers + middle, shared_counts, np.full(len(centers), np.nan))
 
 
 def noisy_cluster_sums(
@@ -152,7 +152,7 @@ def _split(centers: np.ndarray, counts: np.ndarray, wanted: int, half: float, rn
 
 def device_local_step(
     x: np.ndarray, k: int, device: object, params: AlgorithmParams, noise_key: int | None = None
-) -> LocalClustering:
+) -> DeviceCenters:
     """One device's local centers, before shared_centers: alg. 1, or with privacy_epsilon set the
     private local step, whose noise comes from noise_key (linalg.noise_rng)."""
     rng = device_rng(params.seed, device)
@@ -163,14 +163,14 @@ def device_local_step(
     return private_local_step(x, k, rng, noise_rng(noise_key, device), params)
 
 
-def shared_centers(result: LocalClustering, min_points: int) -> LocalClustering:
+def shared_centers(result: DeviceCenters, min_points: int) -> DeviceCenters:
     """The local centers a device may share: those standing for at least min_points rows. A center of
     fewer is (nearly) the rows themselves; its rows are labelled by the device's nearest shared center,
     or, with none left, as an unseen device's rows are (LabelModel.label_unseen)."""
     keep = result.counts >= min_points
     if keep.all():
         return result
-    return LocalClustering(result.centers[keep], result.counts[keep], result.sse[keep])
+    return DeviceCenters(result.centers[keep], result.counts[keep], result.sse[keep])
 
 
 def rough_centers(

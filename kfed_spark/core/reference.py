@@ -11,8 +11,9 @@ import numpy as np
 
 from kfed_spark.core.labels import LabelModel
 from kfed_spark.core.linalg import plain
+from kfed_spark.core.local_centers import LocalCenters
 from kfed_spark.core.local_step import device_local_step, estimate_local_k, shared_centers
-from kfed_spark.core.server_step import ServerClustering, server_step
+from kfed_spark.core.server_step import GlobalClusters, server_step
 from kfed_spark.params import DEFAULTS, AlgorithmParams
 
 LABEL_CHUNK_ROWS = 1 << 16
@@ -25,25 +26,14 @@ class FederatedClustering:
 
     labels: np.ndarray  # (n,) global cluster per row
     local_labels: np.ndarray  # (n,) local cluster per row, within its device
-    server: ServerClustering
+    server: GlobalClusters
     local_counts: np.ndarray  # (m,) points per local center
     local_devices: np.ndarray  # (m,) device of each local center
 
 
-@dataclass(frozen=True)
-class DeviceClusterings:
-    """Alg. 1's output for every device, in device order: what the server step takes."""
-
-    devices: np.ndarray  # (m,) device of each local center
-    local_ids: np.ndarray  # (m,) position of each local center within its device
-    centers: np.ndarray  # (m, d)
-    counts: np.ndarray  # (m,)
-    sse: np.ndarray  # (m,)
-
-
 def local_clusterings(
     x: np.ndarray, devices: np.ndarray, params: AlgorithmParams = DEFAULTS, noise_key: int | None = None
-) -> DeviceClusterings:
+) -> LocalCenters:
     """Alg. 1 on every device's rows, with params' k_per_device (a number or "auto": each device's
     estimate_local_k, at most min(largest_k, k_per_device_max)), local_restarts, max_iter, tol and seed;
     with privacy_epsilon set, the private local step with noise from noise_key (or a fresh one)."""
@@ -63,7 +53,7 @@ def local_clusterings(
         found = device_local_step(rows, k_z, plain(key), params, noise_key)
         results.append(shared_centers(found, params.min_center_points))
     per_device = np.array([len(r.counts) for r in results])
-    return DeviceClusterings(
+    return LocalCenters.of(
         np.repeat(keys, per_device),
         np.concatenate([np.arange(m) for m in per_device]),
         np.concatenate([r.centers for r in results]),
@@ -76,7 +66,7 @@ def federated_kmeans(
     x: np.ndarray,
     devices: np.ndarray,
     params: AlgorithmParams = DEFAULTS,
-    local: DeviceClusterings | None = None,
+    local: LocalCenters | None = None,
     initial: np.ndarray | None = None,
 ) -> FederatedClustering:
     """The whole of k-FED without Spark: the same kernels, in the same order, as the Spark job.
@@ -88,9 +78,9 @@ def federated_kmeans(
     reference the Spark job is tested against.
     """
     local = local or local_clusterings(x, devices, params)
-    server = server_step(local.centers, local.counts, local.devices, local.local_ids, params, initial)
+    server = server_step(local.centers, local.counts, local.devices, local.ids, params, initial)
     model = LabelModel.build(  # a device whose every local center was too small to share: as an unseen one
-        local.devices, local.local_ids, local.centers, server.assignment, server.centers, params.label_mode, True
+        local.devices, local.ids, local.centers, server.assignment, server.centers, params.label_mode, True
     )
     local_labels = np.empty(len(x), dtype=np.int64)
     labels = np.empty(len(x), dtype=np.int64)

@@ -25,7 +25,7 @@ from kfed_spark.params import DEFAULTS, SEEDINGS, AlgorithmParams
 
 
 @dataclass(frozen=True)
-class ServerClustering:
+class GlobalClusters:
     """Global centers and, for every local center, the global cluster it belongs to."""
 
     centers: np.ndarray  # (k, d) float64
@@ -54,7 +54,7 @@ def server_step(
     local_ids: np.ndarray,
     params: AlgorithmParams = DEFAULTS,
     initial: np.ndarray | None = None,
-) -> ServerClustering:
+) -> GlobalClusters:
     """Alg. 2: merge all devices' local centers into k global clusters, with params' k, seeding,
     robust_min_size, server_refine, max_iter, tol and seed.
 
@@ -113,7 +113,7 @@ def server_step(
         ordered_assignment, _ = nearest_center(ordered, global_centers)
     assignment = np.empty_like(ordered_assignment)
     assignment[order] = ordered_assignment
-    return ServerClustering(global_centers, assignment, seed_device, rounds)
+    return GlobalClusters(global_centers, assignment, seed_device, rounds)
 
 
 def warm_seeds(x: np.ndarray, weights: np.ndarray, initial: np.ndarray, params: AlgorithmParams) -> np.ndarray:

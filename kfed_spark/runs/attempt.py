@@ -21,13 +21,14 @@ from pyspark.sql.types import StructField, StructType
 from kfed_spark.config import KFedConfig
 from kfed_spark.core.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.core.k_sweep import KSweep
+from kfed_spark.core.local_centers import LocalCenters
 from kfed_spark.core.metrics import ari_of
-from kfed_spark.core.server_step import ServerClustering
+from kfed_spark.core.server_step import GlobalClusters
 from kfed_spark.errors import KFedError
 from kfed_spark.runs import report
 from kfed_spark.runtime import fault_injection
 from kfed_spark.spark.columns import labelled_fields
-from kfed_spark.spark.fitting import REASON_COL, Clustering, LocalCenters, StageTimer
+from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer
 from kfed_spark.spark.input import absolute
 from kfed_spark.spark.labelling import label_rows
 from kfed_spark.spark.session import in_background
@@ -326,7 +327,7 @@ def conform(df: DataFrame, fields: list[StructField]) -> DataFrame:
 
 
 def centers_frame(
-    spark: SparkSession, server: ServerClustering, local: LocalCenters, cluster_ids: np.ndarray
+    spark: SparkSession, server: GlobalClusters, local: LocalCenters, cluster_ids: np.ndarray
 ) -> DataFrame:
     k = len(server.centers)
     n_points = np.bincount(server.assignment, weights=local.counts, minlength=k).astype(np.int64)

@@ -45,21 +45,14 @@ from kfed_spark.core.identity import (
     match_clusters,
     matching_by_ids,
 )
-from kfed_spark.core.server_step import ServerClustering
+from kfed_spark.core.local_centers import LocalCenters
+from kfed_spark.core.server_step import GlobalClusters
 from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.runs.attempt import AttemptContext, LabelledRows, k_sweep_column, package_versions, write_attempt
 from kfed_spark.runtime import fault_injection
 from kfed_spark.runtime.failures import describe
 from kfed_spark.spark.columns import ADDED_COLUMNS
-from kfed_spark.spark.fitting import (
-    REASON_COL,
-    Clustering,
-    LocalCenters,
-    StageTimer,
-    choose_k,
-    merged_on_driver,
-    validated,
-)
+from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, choose_k, merged_on_driver, validated
 from kfed_spark.store.delta import attempt_filter, concurrently
 from kfed_spark.store.ledger import Ledger, new_attempt_id, published_attempts
 from kfed_spark.store.models import SAVED_MODEL_ORIGIN, StoredModel, attempt_model, finished_model, reference_run
@@ -147,7 +140,7 @@ def with_parent_model(tables: OutputTables, row: RunRecord, local: LocalCenters,
     """The model of a run that takes one (assign), without the devices: the parent's model as published now
     (forget has taken them out of it first), with the run's own devices' local centers (those the parent has
     not seen, less the devices) joined to its nearest centers as assign joined them. Returns the local
-    centers, the ServerClustering they stand for and the centers' ids."""
+    centers, the GlobalClusters they stand for and the centers' ids."""
     parent = parent_model(tables, row)
     if model_holds(parent, devices):
         raise KFedError(f"the model of {row.parent_run_id} still holds the devices: forget them there too")
@@ -156,7 +149,7 @@ def with_parent_model(tables: OutputTables, row: RunRecord, local: LocalCenters,
     merged, assignment = LocalCenters.from_arrow(parent.local, parent.dim).joined(
         LocalCenters.from_arrow(own, parent.dim), parent.assignment, parent.centers
     )
-    return merged, ServerClustering(parent.centers, assignment, None, 0), parent.cluster_ids
+    return merged, GlobalClusters(parent.centers, assignment, None, 0), parent.cluster_ids
 
 
 def devices_held(tables: OutputTables, rows: list[RunRecord], devices: list[str]) -> dict[str, set[str]]:

@@ -33,7 +33,8 @@ from kfed_spark.core.identity import (
     largest_share,
     match_clusters,
 )
-from kfed_spark.core.server_step import ServerClustering
+from kfed_spark.core.local_centers import LocalCenters
+from kfed_spark.core.server_step import GlobalClusters
 from kfed_spark.errors import ConfigError, InputError
 from kfed_spark.runs.attempt import (
     AttemptContext,
@@ -44,7 +45,7 @@ from kfed_spark.runs.attempt import (
 )
 from kfed_spark.runtime import fault_injection
 from kfed_spark.runtime.failures import describe
-from kfed_spark.spark.fitting import REASON_COL, Clustering, LocalCenters, StageTimer, fit_checked, validated
+from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, fit_checked, validated
 from kfed_spark.spark.input import read_input
 from kfed_spark.spark.labelling import extend_with_new_devices, label_rows
 from kfed_spark.spark.session import in_background
@@ -285,7 +286,7 @@ def apply_model(checked: DataFrame, dim: int, cfg: KFedConfig, parent: StoredMod
         local, assignment = extend_with_new_devices(
             valid, cfg.fitting, dim, LocalCenters.from_arrow(parent.local, dim), parent.assignment, parent.centers
         )
-    server = ServerClustering(parent.centers, assignment, seed_device=None, refine_iterations=0)
+    server = GlobalClusters(parent.centers, assignment, seed_device=None, refine_iterations=0)
     model = local.label_model(
         assignment, parent.centers, cfg.algorithm.label_mode, label_unseen=True, cluster_ids=parent.cluster_ids
     )

@@ -135,7 +135,7 @@ class KFedPyfunc:
     returns their cluster ids, with numpy alone (a device the model has not seen: the nearest global center)."""
 
     def __init__(self, data_path: str):
-        from kfed_spark.spark.fitting import LocalCenters
+        from kfed_spark.core.local_centers import LocalCenters
 
         folder = Path(data_path)
         settings = json.loads((folder / SETTINGS_FILE).read_text())

@@ -16,9 +16,10 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, IntegerType, StructField, StructType
 
-from kfed_spark.core.server_step import ServerClustering, server_step
+from kfed_spark.core.local_centers import feature_matrix
+from kfed_spark.core.server_step import GlobalClusters, server_step
 from kfed_spark.params import AlgorithmParams
-from kfed_spark.spark.workers import cluster_batches, feature_matrix, representatives_from_batches
+from kfed_spark.spark.workers import cluster_batches, representatives_from_batches
 
 REPRESENTATIVE_SCHEMA = StructType(
     [
@@ -28,7 +29,7 @@ REPRESENTATIVE_SCHEMA = StructType(
 )
 
 
-def global_centers(local: DataFrame, dim: int, params: AlgorithmParams) -> ServerClustering:
+def global_centers(local: DataFrame, dim: int, params: AlgorithmParams) -> GlobalClusters:
     """The k global centers of the local centers in `local` (center, n_points, ...): the outlier
     filter over all of them (the median count from Spark), each partition's representatives, and
     the server step over those on the driver. The returned assignment is the representatives'."""

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -34,21 +33,17 @@ from pyspark.sql.types import (
 
 from kfed_spark.config import FitSettings
 from kfed_spark.core.identity import ClusterSummary
-from kfed_spark.core.k_sweep import KSweep, k_values, sweep
+from kfed_spark.core.k_sweep import KSweep, k_values
 from kfed_spark.core.labels import LabelModel
-from kfed_spark.core.linalg import nearest_center
-from kfed_spark.core.server_step import ServerClustering, server_step
+from kfed_spark.core.local_centers import LocalCenters
+from kfed_spark.core.server_step import GlobalClusters, server_step
 from kfed_spark.errors import InputError, KFedError
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.runtime import fault_injection
 from kfed_spark.spark.columns import ADDED_COLUMNS, LOCAL_CENTER_FIELDS
 from kfed_spark.spark.distributed import global_centers, with_clusters
 from kfed_spark.spark.input import read_side_table
-from kfed_spark.spark.workers import (
-    LocalStepSpec,
-    feature_matrix,
-    local_centers_from_batches,
-)
+from kfed_spark.spark.workers import LocalStepSpec, local_centers_from_batches
 
 log = logging.getLogger("kfed_spark")
 
@@ -86,7 +81,7 @@ class Clustering:
     checked: DataFrame  # the input with the features as array<double> and a reason column
     dim: int
     local: LocalCenters
-    server: ServerClustering
+    server: GlobalClusters
     model: LabelModel
     cluster_ids: np.ndarray  # the published id of each global center (kfed_spark.core.identity)
     k_sweep: KSweep | None = None  # with k 'auto': the sweep that chose the k
@@ -214,16 +209,14 @@ def choose_k(local: LocalCenters | None, settings: FitSettings, timer: StageTime
 
 def merged_on_driver(
     local: LocalCenters, params: AlgorithmParams, initial: np.ndarray | None = None
-) -> tuple[LocalCenters, ServerClustering | None]:
+) -> tuple[LocalCenters, GlobalClusters | None]:
     """Alg. 2 over the local centers the driver holds (None without any), warm-started from initial if given."""
     if len(local.counts) == 0:
         return local, None
     return local, server_step(local.centers, local.counts, local.devices, local.ids, params, initial)
 
 
-def merged_in_spark(
-    frame: DataFrame, dim: int, params: AlgorithmParams
-) -> tuple[LocalCenters, ServerClustering | None]:
+def merged_in_spark(frame: DataFrame, dim: int, params: AlgorithmParams) -> tuple[LocalCenters, GlobalClusters | None]:
     """Alg. 2 with Spark doing the work (kfed_spark.spark.distributed); then the local centers come to the
     driver with the global cluster each one took (None without any)."""
     if frame.isEmpty():
@@ -231,9 +224,7 @@ def merged_in_spark(
     merged = global_centers(frame, dim, params)
     table = with_clusters(frame, merged.centers).toArrow()
     local = LocalCenters.from_arrow(table.drop_columns(["cluster_id"]), dim)
-    return local, ServerClustering(
-        merged.centers, table.column("cluster_id").to_numpy(), None, merged.refine_iterations
-    )
+    return local, GlobalClusters(merged.centers, table.column("cluster_id").to_numpy(), None, merged.refine_iterations)
 
 
 def validated(raw: DataFrame, settings: FitSettings, dim: int | None = None) -> tuple[DataFrame, int]:
@@ -327,61 +318,6 @@ def features_column(df: DataFrame, features: str | list[str]) -> Column:
         f"feature column {features!r} has type {kind.simpleString()}; expected array of numbers, "
         "a Spark ML vector, or a list of numeric columns"
     )
-
-
-@dataclass(frozen=True)
-class LocalCenters:
-    """All devices' local centers, collected on the driver: the Arrow table and numpy views of it."""
-
-    table: pa.Table
-    devices: np.ndarray
-    ids: np.ndarray
-    centers: np.ndarray
-    counts: np.ndarray
-    sse: np.ndarray
-
-    @classmethod
-    def from_arrow(cls, table: pa.Table, dim: int) -> "LocalCenters":
-        return cls(
-            table=table,
-            devices=table.column("device_id").to_numpy(zero_copy_only=False),
-            ids=table.column("local_cluster_id").to_numpy(),
-            centers=feature_matrix(table.column("center"), dim),
-            counts=table.column("n_points").to_numpy(),
-            sse=table.column("sse").to_numpy(),  # NaN where a private device shared none
-        )
-
-    def sweep(self, ks: list[int], params: AlgorithmParams) -> KSweep:
-        """The server step for every k of ks over these local centers, with its figures (kfed_spark.core.k_sweep)."""
-        if np.isnan(self.sse).any():
-            raise KFedError("the k sweep needs every local center's SSE, which a private run's devices do not share")
-        try:
-            return sweep(self.centers, self.counts, self.sse, self.devices, self.ids, ks, params)
-        except ValueError as exc:  # k above the distinct local centers, or below a device's count with farthest
-            raise KFedError(f"the k sweep cannot run: {exc}") from None
-
-    def joined(
-        self, new: "LocalCenters", assignment: np.ndarray, centers: np.ndarray
-    ) -> tuple["LocalCenters", np.ndarray]:
-        """These local centers (each in the global cluster `assignment` gives) and the new ones after them, each
-        new one in the cluster of its nearest center: how a model takes devices it has not seen."""
-        table = pa.concat_tables([self.table, new.table.cast(self.table.schema)])
-        joined = nearest_center(new.centers, centers)[0] if len(new.counts) else np.zeros(0, dtype=assignment.dtype)
-        return LocalCenters.from_arrow(table, centers.shape[1]), np.concatenate([assignment, joined])
-
-    def label_model(
-        self,
-        assignment: np.ndarray,
-        centers: np.ndarray,
-        label_mode: str,
-        label_unseen: bool = False,
-        cluster_ids: np.ndarray | None = None,
-    ) -> LabelModel:
-        """What labels rows with these local centers, given the global cluster each joined (its position in
-        centers) and the centers, with their published ids (default: their positions)."""
-        return LabelModel.build(
-            self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen, cluster_ids
-        )
 
 
 def collect_local_centers(valid: DataFrame, settings: FitSettings, dim: int, device_type) -> LocalCenters:

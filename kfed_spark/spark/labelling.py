@@ -25,21 +25,9 @@ from pyspark.sql.types import (
 from kfed_spark.config import FitSettings
 from kfed_spark.core.evaluation import EvaluationSpec
 from kfed_spark.core.labels import LabelModel
-from kfed_spark.spark.fitting import (
-    FEATURES_COL,
-    FEATURES_SOURCE,
-    REASON_COL,
-    LocalCenters,
-    collect_local_centers,
-    validated,
-)
-from kfed_spark.spark.workers import (
-    EVALUATION_COL,
-    LABEL_FIELDS,
-    NON_FINITE,
-    SQ_DIST_COL,
-    label_arrays,
-)
+from kfed_spark.core.local_centers import LocalCenters
+from kfed_spark.spark.fitting import FEATURES_COL, FEATURES_SOURCE, REASON_COL, collect_local_centers, validated
+from kfed_spark.spark.workers import EVALUATION_COL, LABEL_FIELDS, NON_FINITE, SQ_DIST_COL, label_arrays
 
 LABELS_COL = "__kfed_labels"
 """Internal column: what workers.label_arrays returns for the row, a struct of LABELS_TYPE."""

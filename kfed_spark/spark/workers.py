@@ -15,7 +15,8 @@ import pyarrow as pa
 from kfed_spark.core.evaluation import EvaluationSpec, PartitionEvaluation
 from kfed_spark.core.labels import LabelModel
 from kfed_spark.core.linalg import device_rng, nearest_center
-from kfed_spark.core.local_step import LocalClustering, device_local_step, estimate_local_k, shared_centers
+from kfed_spark.core.local_centers import feature_matrix, features_array
+from kfed_spark.core.local_step import DeviceCenters, device_local_step, estimate_local_k, shared_centers
 from kfed_spark.core.sampling import row_hashes, scale_counts, smallest_hashes
 from kfed_spark.core.server_step import representatives
 from kfed_spark.params import AlgorithmParams
@@ -29,22 +30,6 @@ EVALUATION_COL = "__kfed_evaluation"
 
 LOCAL_OUTPUT_ROWS = 4096
 """Local-center rows gathered before a batch is sent back to Spark."""
-
-
-def feature_matrix(column: pa.Array | pa.ChunkedArray, dim: int | None = None) -> np.ndarray:
-    """(n, dim) float64 view of a list<double> column whose rows all have dim values (by default, as
-    many as the values divide evenly)."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    values = column.flatten().to_numpy(zero_copy_only=False)
-    return values.reshape(len(column), -1 if dim is None else dim)
-
-
-def features_array(x: np.ndarray) -> pa.ListArray:
-    """(n, d) numbers as a list<double> column: feature_matrix's inverse."""
-    x = np.ascontiguousarray(x, dtype=np.float64)
-    offsets = np.arange(0, x.size + 1, x.shape[1], dtype=np.int32)
-    return pa.ListArray.from_arrays(offsets, pa.array(x.ravel()))
 
 
 def device_runs(devices: np.ndarray) -> Iterator[tuple[object, int, int]]:
@@ -160,14 +145,14 @@ def _task_fault(fault: str) -> None:
         raise RuntimeError(f"injected failure in the first attempt of local-step task {context.partitionId()}")
 
 
-def _cluster(device: object, k: int, x: np.ndarray, seen: int, spec: LocalStepSpec) -> LocalClustering:
+def _cluster(device: object, k: int, x: np.ndarray, seen: int, spec: LocalStepSpec) -> DeviceCenters:
     if spec.k_source == "auto":
         k = estimate_local_k(x, spec.k)
     result = device_local_step(x, k, device, spec.params, spec.noise_key)
     if seen != len(x) and spec.noise_key is None:
         # clustered on a sample: the counts and SSE of all its rows (a private device shares its sample's noisy
         # counts instead: its number of rows is not released)
-        result = LocalClustering(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
+        result = DeviceCenters(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
     return shared_centers(result, spec.params.min_center_points)
 
 

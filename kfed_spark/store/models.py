@@ -17,10 +17,10 @@ from kfed_spark.config import RUN_ID_PATTERN
 from kfed_spark.core.identity import ClusterSummary, ReferenceRun, largest_share
 from kfed_spark.core.k_sweep import KSweep
 from kfed_spark.core.labels import LabelModel
+from kfed_spark.core.local_centers import LocalCenters
 from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
-from kfed_spark.spark.fitting import LocalCenters
 from kfed_spark.spark.input import absolute
 from kfed_spark.store.delta import concurrently
 from kfed_spark.store.output import OutputTables
