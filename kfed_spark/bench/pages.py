@@ -97,7 +97,7 @@ def page(title: str, body: str, command: str) -> str:
     return (
         f"# {title}\n\n"
         f"Written by `{command.split()[0]} {command.split()[1]}`: run it again to replace this page, never edit it.\n\n"
-        "| | |\n| --- | --- |\n" + rows + "\n" + body.rstrip() + "\n"
+        "| provenance | |\n| --- | --- |\n" + rows + "\n" + body.rstrip() + "\n"
     )
 
 
