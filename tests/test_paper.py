@@ -7,13 +7,15 @@ import re
 import numpy as np
 import pytest
 
-from kfed_spark.bench.pages import PROVENANCE_ROW
+from kfed_spark.bench.pages import PROVENANCE_ROW, cell
 from kfed_spark.bench.paper import (
     DEVICES_PER_CLUSTER,
     ROWS_PER_HELD_CLUSTER,
     SYNTHETIC_METHODS,
+    RoundsRow,
     centralized,
     iid_devices,
+    markdown,
     partition_study,
     section_41_mixture,
     synthetic_study,
@@ -92,3 +94,11 @@ def test_bench_paper_writes_its_tables_and_figures(spark, tmp_path, capsys):
     assert "--datasets takes names from femnist, shakespeare, mixture" in capsys.readouterr().err
     assert main(["bench-paper", "--rounds", "0,2", "--out", str(out)]) == 2
     assert "--rounds at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_a_method_named_with_pipes_stays_in_its_table_cell():
+    rows = [RoundsRow("femnist", "Spark MLlib KMeans (k-means|| initialization)", 3, 1.02, 9.0)]
+    table = [line for line in markdown([], rows, [], "kfed-spark bench-paper", 60.0).splitlines() if "femnist" in line]
+    assert table == ["| femnist | Spark MLlib KMeans (k-means\\|\\| initialization) | 3 | 1.020 | 9.0 |"]
+    assert cell("a|b") == "a\\|b"

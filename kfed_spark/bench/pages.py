@@ -91,6 +91,11 @@ def provenance(command: str) -> list[tuple[str, str]]:
     ]
 
 
+def cell(text: str) -> str:
+    """Text as a markdown table cell: its pipes (MLlib's k-means||) escaped, so that they do not split it."""
+    return text.replace("|", "\\|")
+
+
 def page(title: str, body: str, command: str) -> str:
     """A result page: its title, the provenance table, then the bench's own markdown."""
     rows = "".join(f"| {key} | {value} |\n" for key, value in provenance(command))

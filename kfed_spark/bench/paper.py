@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kfed_spark.bench.pages import cell
 from kfed_spark.bench.quality import K_PER_DEVICE, Problem, problems
 from kfed_spark.bench.synthetic import MEAN_SCALE, median_nearest_mean_distance
 from kfed_spark.core.linalg import device_rng
@@ -314,7 +315,7 @@ def markdown(
         "| dataset | method | rounds | cost ratio | seconds |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
-    lines += [f"| {r.dataset} | {r.method} | {r.rounds} | {r.cost_ratio:.3f} | {r.seconds:.1f} |" for r in rounds]
+    lines += [f"| {r.dataset} | {cell(r.method)} | {r.rounds} | {r.cost_ratio:.3f} | {r.seconds:.1f} |" for r in rounds]
     if synthetic:
         lines += [
             "",
@@ -327,7 +328,7 @@ def markdown(
             "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
         ]
         lines += [
-            f"| {r.k} | {r.k_per_device} | {r.devices} | {r.rows} | {r.separation:.1f} | {r.method} | "
+            f"| {r.k} | {r.k_per_device} | {r.devices} | {r.rows} | {r.separation:.1f} | {cell(r.method)} | "
             f"{r.accuracy_mean:.3f} | {r.accuracy_std:.3f} | {r.accuracy_min:.3f} |"
             for r in synthetic
         ]

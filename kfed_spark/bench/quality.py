@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kfed_spark.bench.datasets import DATASETS, load
+from kfed_spark.bench.pages import cell
 from kfed_spark.bench.synthetic import MEAN_SCALE, close_means_mixture, mixture, uneven_mixture
 from kfed_spark.core.k_sweep import k_values, sweep
 from kfed_spark.core.linalg import device_rng
@@ -413,7 +414,7 @@ def markdown(
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {r.dataset} | {r.method} | {r.k} | {r.k_per_device} | {r.ari:.3f} | {r.nmi:.3f} | {r.cost_ratio:.3f} "
+        f"| {r.dataset} | {cell(r.method)} | {r.k} | {r.k_per_device} | {r.ari:.3f} | {r.nmi:.3f} | {r.cost_ratio:.3f} "
         f"| {r.seconds:.1f} |"
         for r in rows
     ]
