@@ -16,6 +16,7 @@ from helpers import (
     duckdb_published,
     fitted_labels,
     published,
+    run_cli,
     runs_of,
     write_empty_config,
 )
@@ -92,22 +93,13 @@ def test_null_short_and_nan_vectors_go_to_quarantine_and_get_null_predictions(sp
     frame = spark.createDataFrame(rows, schema)
     frame.write.parquet(str(tmp_path / "vectors"))
     assert (
-        main(
-            [
-                "run",
-                "--config",
-                str(write_empty_config(tmp_path)),
-                "--set",
-                f"input.path={tmp_path / 'vectors'}",
-                "--set",
-                f"output.path={tmp_path / 'out'}",
-                "--set",
-                "k=2",
-                "--set",
-                "min_center_points=1",  # devices of two rows: each shares its rows themselves
-                "--set",
-                "run_id=v",
-            ]
+        run_cli(
+            str(write_empty_config(tmp_path)),
+            f"input.path={tmp_path / 'vectors'}",
+            f"output.path={tmp_path / 'out'}",
+            "k=2",
+            "min_center_points=1",  # devices of two rows: each shares its rows themselves
+            "run_id=v",
         )
         == 0
     )
@@ -170,22 +162,13 @@ def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(s
 def test_null_values_inside_features_are_quarantined(spark, tmp_path):
     dirty_input(spark, tmp_path / "dirty")
     assert (
-        main(
-            [
-                "run",
-                "--config",
-                str(write_empty_config(tmp_path)),
-                "--set",
-                f"input.path={tmp_path / 'dirty'}",
-                "--set",
-                f"output.path={tmp_path / 'out'}",
-                "--set",
-                "k=2",
-                "--set",
-                "min_center_points=1",  # devices of two rows: each shares its rows themselves
-                "--set",
-                "run_id=r",
-            ]
+        run_cli(
+            str(write_empty_config(tmp_path)),
+            f"input.path={tmp_path / 'dirty'}",
+            f"output.path={tmp_path / 'out'}",
+            "k=2",
+            "min_center_points=1",  # devices of two rows: each shares its rows themselves
+            "run_id=r",
         )
         == 0
     )

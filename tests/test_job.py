@@ -206,24 +206,14 @@ def test_bad_rows_go_to_quarantine_with_a_reason(spark, tmp_path):
         str(tmp_path / "dirty")
     )
     assert (
-        main(
-            [
-                "run",
-                "--set",
-                f"input.path={tmp_path / 'dirty'}",
-                "--set",
-                f"output.path={tmp_path / 'out'}",
-                "--set",
-                "k=2",
-                "--set",
-                "min_center_points=1",  # devices of two rows: each shares its rows themselves
-                "--set",
-                "k_per_device=2",
-                "--set",
-                "run_id=dirty",
-                "--config",
-                str(write_empty_config(tmp_path)),
-            ]
+        run_cli(
+            str(write_empty_config(tmp_path)),
+            f"input.path={tmp_path / 'dirty'}",
+            f"output.path={tmp_path / 'out'}",
+            "k=2",
+            "min_center_points=1",  # devices of two rows: each shares its rows themselves
+            "k_per_device=2",
+            "run_id=dirty",
         )
         == 0
     )

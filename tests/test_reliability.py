@@ -52,16 +52,10 @@ def test_on_bad_rows_fail_names_reasons_and_counts_and_publishes_nothing(spark, 
 def test_empty_input_is_a_clear_error(spark, tmp_path, capsys):
     spark.createDataFrame([], "device_id long, features array<double>").write.parquet(str(tmp_path / "empty"))
     assert (
-        main(
-            [
-                "run",
-                "--config",
-                str(write_empty_config(tmp_path)),
-                "--set",
-                f"input.path={tmp_path / 'empty'}",
-                "--set",
-                f"output.path={tmp_path / 'out'}",
-            ]
+        run_cli(
+            str(write_empty_config(tmp_path)),
+            f"input.path={tmp_path / 'empty'}",
+            f"output.path={tmp_path / 'out'}",
         )
         == 2
     )
