@@ -137,7 +137,7 @@ def test_a_private_run_records_its_budget_and_shares_noisy_centers(spark, config
     kernel = local_clusterings(
         feature_matrix(table.column("features")),
         table.column("device_id").to_numpy(),
-        load_config(config, ["privacy.epsilon=8", bounds]),
+        load_config(config, ["privacy.epsilon=8", bounds]).algorithm,
     )
     assert len(kernel.counts) != len(local) or not np.allclose(
         np.sort(np.concatenate(local.center.to_list())), np.sort(kernel.centers.ravel())
