@@ -8,7 +8,6 @@ saved KFedModel serves `kfed-spark assign` and `stream` with --model PATH (kfed_
 
 from __future__ import annotations
 
-import tempfile  # noqa: F401  (KFed's doctest)
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -82,6 +81,7 @@ class KFed(Estimator["KFedModel"], GeneratedSetters, _KFedParams, MLReadable["KF
     12
     >>> KFed(k="auto", kRange=[2, 5], kPerDevice=2, seed=1).fit(df).getK()  # k from the local centers
     3
+    >>> import tempfile
     >>> path = f"{tempfile.mkdtemp()}/model"
     >>> model.write().overwrite().save(path)
     >>> loaded = KFedModel.load(path)

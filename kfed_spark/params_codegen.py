@@ -14,17 +14,17 @@ what it would write.
 
 from __future__ import annotations
 
-import re
 import sys
 import textwrap
 from dataclasses import fields
 from pathlib import Path
 
+from kfed_spark.bench.pages import README, rewritten_block
 from kfed_spark.params import ESTIMATOR_COLUMNS, AlgorithmParams, camel
+from kfed_spark.store.tables import STREAM_TABLES, TABLE_COMMENTS, TABLES
 
 ESTIMATOR_PARAMS = Path(__file__).with_name("estimator_params.py")
 CONFIGURATION_PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
-README = Path(__file__).resolve().parent.parent / "README.md"
 
 CONVERTERS = {
     "int": "TypeConverters.toInt",
@@ -174,18 +174,8 @@ def parameter_table() -> str:
 
 def table_list() -> str:
     """The README's list of the output tables: a run's, then the stream's, each with its table comment."""
-    from kfed_spark.store.tables import STREAM_TABLES, TABLE_COMMENTS, TABLES
-
     described = {name: TABLE_COMMENTS[name].split(": ", 1)[1] for name in (*TABLES, *STREAM_TABLES)}
     return "".join(f"- `{name}`: {text};\n" for name, text in described.items())[:-2] + ".\n"
-
-
-def rewritten_block(text: str, block: str, content: str) -> str:
-    """text with its generated block `block` replaced by content."""
-    pattern = re.compile(rf"(<!-- BEGIN GENERATED {block} -->\n).*?(<!-- END GENERATED {block} -->\n)", re.S)
-    if not pattern.search(text):
-        raise ValueError(f"no generated block {block!r}")
-    return pattern.sub(lambda match: match.group(1) + content + match.group(2), text)
 
 
 def rewritten_page(text: str) -> str:

@@ -21,7 +21,6 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 """The source checkout this package runs from (when it runs from one)."""
 README = REPOSITORY / "README.md"
 SPEED_PAGE = REPOSITORY / "docs" / "benchmarks" / "speed.md"
-HEADLINE = re.compile(r"(<!-- BEGIN GENERATED headline -->\n).*?(<!-- END GENERATED headline -->\n)", re.S)
 FRESH_SECTION = "## Fresh processes"
 PROVENANCE_ROW = re.compile(r"^\| (command|commit|date|machine|Java|Spark, Delta|Python, numpy) \| (.+) \|$", re.M)
 """A row of a page's provenance table (provenance() writes them)."""
@@ -128,11 +127,18 @@ def headline(speed_page: str) -> str:
     return f"{stamp['date']}, commit {stamp['commit']}, {stamp['machine']}:\n\n" + "\n".join(tables)
 
 
+def rewritten_block(text: str, block: str, content: str) -> str:
+    """text with its generated block `block` (between `<!-- BEGIN GENERATED block -->` and
+    `<!-- END GENERATED block -->`) replaced by content."""
+    pattern = re.compile(rf"(<!-- BEGIN GENERATED {block} -->\n).*?(<!-- END GENERATED {block} -->\n)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no generated block {block!r}")
+    return pattern.sub(lambda match: match.group(1) + content + match.group(2), text)
+
+
 def rewritten_readme(readme: str, speed_page: str) -> str:
     """The README with its headline block as headline() writes it from the speed page."""
-    if not HEADLINE.search(readme):
-        raise ValueError("README.md has no generated block 'headline'")
-    return HEADLINE.sub(lambda match: match.group(1) + headline(speed_page) + match.group(2), readme)
+    return rewritten_block(readme, "headline", headline(speed_page))
 
 
 if __name__ == "__main__":

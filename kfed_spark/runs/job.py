@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import DoubleType, FloatType, StructType
+from pyspark.sql.types import DoubleType, FloatType
 
 from kfed_spark.config import KFedConfig, as_dict, resolve_run_id
 from kfed_spark.core.identity import (
@@ -137,7 +137,6 @@ class Validated:
     raw: DataFrame  # the input as read
     checked: DataFrame  # its rows with their checked features (validated)
     dim: int
-    schemas: dict[str, StructType]  # every output table's schema for this input
     known: list  # the location's runs rows, read beside the checks
     parent: StoredModel | None  # the model an `assign` applies
     parent_run_id: str | None  # where that model came from (a run id, or model:<path>)
@@ -179,9 +178,7 @@ def validate(
     tables.prepare(schemas, stats_columns(device_col), checked_location)
     tables.register()
     fault_injection.point("created")
-    return Validated(
-        raw, checked, dim, schemas, known, parent, None if parent is None else parent.origin, reference_row
-    )
+    return Validated(raw, checked, dim, known, parent, None if parent is None else parent.origin, reference_row)
 
 
 def cluster(
