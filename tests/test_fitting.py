@@ -20,7 +20,6 @@ from helpers import (
     runs_of,
     write_empty_config,
 )
-from kfed_spark.cli import main
 from kfed_spark.config import InputConfig
 from kfed_spark.spark.input import read_input
 from kfed_spark.spark.labelling import label_rows
@@ -140,18 +139,9 @@ def test_a_device_with_a_third_of_the_rows_is_sampled_and_still_fully_labelled(s
     spark.createDataFrame(rows, "row_id long, device_id long, features array<double>, true_cluster int").write.parquet(
         str(tmp_path / "skewed")
     )
-    args = ["run", "--config", str(write_empty_config(tmp_path))]
-    for item in [
-        f"input.path={tmp_path / 'skewed'}",
-        f"output.path={tmp_path / 'out'}",
-        "k=4",
-        "k_per_device=2",
-        "max_rows_per_device=150",
-        "run_id=skew",
-        "input.truth_col=true_cluster",
-    ]:
-        args += ["--set", item]
-    assert main(args) == 0
+    settings = ["k=4", "k_per_device=2", "max_rows_per_device=150", "run_id=skew", "input.truth_col=true_cluster"]
+    config = write_empty_config(tmp_path)
+    assert run_cli(config, f"input.path={tmp_path / 'skewed'}", f"output.path={tmp_path / 'out'}", *settings) == 0
     run = runs_of(spark, tmp_path / "out")[0]
     assert run.n_labelled == len(rows) and run.ari == pytest.approx(1.0)
     local = published(spark, tmp_path / "out", "local_centers").toPandas()

@@ -29,17 +29,15 @@ def sorted_labels(spark, out, run_id="first"):
 @pytest.mark.spark
 def test_on_bad_rows_fail_names_reasons_and_counts_and_publishes_nothing(spark, tmp_path, capsys):
     dirty_input(spark, tmp_path / "dirty")
-    args = ["run", "--config", str(write_empty_config(tmp_path))]
-    for item in [
+    settings = [
         f"input.path={tmp_path / 'dirty'}",
         f"output.path={tmp_path / 'out'}",
         "k=2",
         "k_per_device=2",
         "min_center_points=1",  # devices of two good rows: each shares its rows themselves
         "on_bad_rows=fail",
-    ]:
-        args += ["--set", item]
-    assert main(args) == 2
+    ]
+    assert run_cli(write_empty_config(tmp_path), *settings) == 2
     assert capsys.readouterr().err.strip() == (
         "kfed-spark: error: 3 bad input rows (non_finite_value: 2, null_device: 1) and on_bad_rows is 'fail'; "
         "nothing of this run was published"
