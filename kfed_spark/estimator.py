@@ -115,7 +115,10 @@ class KFed(Estimator["KFedModel"], GeneratedSetters, _KFedParams, MLReadable["KF
         local = clustering.local.table.append_column(
             "cluster_id", pa.array(clustering.cluster_ids[clustering.server.assignment], type=pa.int32())
         )
-        model = KFedModel()._with_state(StoredModel.of(clustering.server.centers, clustering.cluster_ids, local, "fit"))
+        stored = StoredModel.of(
+            clustering.server.centers, clustering.cluster_ids, local, "fit", held_back=clustering.local.held_back
+        )
+        model = KFedModel()._with_state(stored)
         model._k_sweep = clustering.k_sweep
         return self._copyValues(model)._set(k=len(clustering.server.centers))
 

@@ -116,9 +116,9 @@ class GeneratedParams(Params):
     minCenterPoints: Param[int] = Param(
         Params._dummy(),
         "minCenterPoints",
-        "fewest rows a local center must stand for to leave its device: a center of fewer is never shared"
-        " or published, its rows take the device's nearest shared center, or with none left the nearest "
-        "global center.",
+        "fewest rows a local center must stand for to be merged and published: a center of fewer joins no"
+        " global cluster and is never written; its rows take the nearest global center and no local "
+        "cluster.",
         typeConverter=TypeConverters.toInt,
     )
 

@@ -142,8 +142,8 @@ class AlgorithmParams:
     min_center_points: int = param(
         3,
         integer(1),
-        "fewest rows a local center must stand for to leave its device: a center of fewer is never shared or "
-        "published, its rows take the device's nearest shared center, or with none left the nearest global center",
+        "fewest rows a local center must stand for to be merged and published: a center of fewer joins no global "
+        "cluster and is never written; its rows take the nearest global center and no local cluster",
     )
     local_restarts: int = param(
         3, integer(1), "rough clusterings each device tries in its projection (alg. 1); it keeps the lowest-cost one"

@@ -186,3 +186,35 @@ def test_partitioning_and_row_order_do_not_change_labels(spark, tmp_path, mixtur
     expected = labels(mixture_path)
     assert labels(tmp_path / "shuffled", local_partitions=5).equals(expected)
     assert labels(mixture_path, local_partitions=1).equals(expected)  # all devices in one partition
+
+
+def test_rows_of_held_back_centers_take_the_nearest_global_center_in_the_job_and_the_estimator(spark, tmp_path):
+    """Phones of ten rows from two clusters: the rows of a local center under min_center_points get the
+    nearest global center and a null local cluster, in Spark as in the reference, and in the estimator's
+    transform with its fitted model."""
+    from kfed_spark.bench.datasets import write_parquet_folder
+    from kfed_spark.bench.synthetic import mixture
+    from kfed_spark.core.local_centers import feature_matrix
+    from kfed_spark.core.metrics import adjusted_rand_index
+    from kfed_spark.core.reference import federated_kmeans
+    from kfed_spark.estimator import KFed
+    from kfed_spark.params import AlgorithmParams
+
+    table = mixture(k=8, k_per_device=2, devices=300, points_per_device=10, dim=16, seed=3)
+    write_parquet_folder(table, tmp_path / "phones")
+    raw = spark.read.parquet(str(tmp_path / "phones"))
+    clustering, rows = fitted_labels(raw, k=8, k_per_device=2)
+    rows = rows.sort_values("row_id")
+    reference = federated_kmeans(
+        feature_matrix(table.column("features")),
+        table.column("device_id").to_numpy(),
+        AlgorithmParams(k=8, k_per_device=2),
+    )
+    held = rows.local_cluster_id.isna().to_numpy()
+    assert held.sum() == np.sum(reference.local_labels == -1) > 30
+    assert len(clustering.local.held_back.counts) > 0 and clustering.local.counts.min() >= 3
+    assert adjusted_rand_index(table.column("true_cluster").to_numpy(), rows.cluster_id.to_numpy()) == 1.0
+    np.testing.assert_array_equal(rows.local_cluster_id.fillna(-1).to_numpy(), reference.local_labels)
+    transformed = KFed(k=8, kPerDevice=2).fit(raw).transform(raw).orderBy("row_id").toPandas()
+    np.testing.assert_array_equal(transformed.local_prediction.isna().to_numpy(), held)
+    assert adjusted_rand_index(rows.cluster_id.to_numpy(), transformed.prediction.to_numpy()) == 1.0

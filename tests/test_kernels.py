@@ -10,7 +10,7 @@ from kfed_spark.core import server_step as server_step_module
 from kfed_spark.core.labels import nearest_device_center
 from kfed_spark.core.linalg import centered, device_rng, kmeans_plusplus, lloyd, nearest_center, squared_distances
 from kfed_spark.core.local_centers import feature_matrix
-from kfed_spark.core.local_step import estimate_local_k, local_step, margin_initial_centers
+from kfed_spark.core.local_step import device_local_step, estimate_local_k, local_steps
 from kfed_spark.core.metrics import adjusted_rand_index, within_cluster_cost
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.core.sampling import scale_counts
@@ -46,7 +46,7 @@ def test_local_step_recovers_planted_clusters():
     rng = np.random.default_rng(1)
     means = rng.normal(0, 5, size=(6, 20))
     x, truth = blobs(rng, means, 900)
-    result = local_step(x, 6, device_rng(0, 1))
+    result = device_local_step(x, 6, 1, AlgorithmParams())
     labels, _ = nearest_center(x, result.centers)
     assert adjusted_rand_score(truth, labels) == 1.0
     assert result.counts.sum() == 900
@@ -55,6 +55,15 @@ def test_local_step_recovers_planted_clusters():
     np.testing.assert_allclose(result.centers[order], planted, atol=1e-9)
     expected_sse = sum(((x[truth == j] - planted[j]) ** 2).sum() for j in range(6))
     assert result.sse.sum() == pytest.approx(expected_sse)
+
+
+def margin_initial_centers(original, projected, weights, rough):
+    """The margin rule on one device: the block kernel with a block of one."""
+    one = lambda a: np.asarray(a, dtype=np.float64)[None]  # noqa: E731
+    valid, present = np.ones((1, len(original)), dtype=bool), np.ones((1, len(rough)), dtype=bool)
+    return local_step_module._margin_initial_centers(
+        one(original), one(projected), one(weights), valid, one(rough), present
+    )[0]
 
 
 def test_margin_rule_keeps_only_points_three_times_closer():
@@ -85,7 +94,7 @@ def test_margin_rule_falls_back_to_the_cell_when_no_point_is_kept():
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_device_with_at_most_k_rows_sends_its_rows(n):
     x = np.arange(n * 2, dtype=float).reshape(n, 2)
-    result = local_step(x, 3, device_rng(0, 0))
+    result = device_local_step(x, 3, 0, AlgorithmParams())
     np.testing.assert_array_equal(result.centers, x)
     np.testing.assert_array_equal(result.counts, np.ones(n))
     np.testing.assert_array_equal(result.sse, np.zeros(n))
@@ -93,7 +102,7 @@ def test_device_with_at_most_k_rows_sends_its_rows(n):
 
 def test_device_with_few_distinct_rows_sends_them_with_multiplicities():
     x = np.array([[1.0, 1.0]] * 5 + [[2.0, 0.0]] * 3)
-    result = local_step(x, 4, device_rng(0, 0))
+    result = device_local_step(x, 4, 0, AlgorithmParams())
     np.testing.assert_array_equal(result.centers, [[1.0, 1.0], [2.0, 0.0]])
     np.testing.assert_array_equal(result.counts, [5, 3])
 
@@ -102,7 +111,7 @@ def test_fewer_dimensions_than_local_clusters():
     rng = np.random.default_rng(2)
     means = np.array([[0.0, 0.0], [20.0, 0.0], [0.0, 20.0], [20.0, 20.0], [40.0, 40.0]])
     x, truth = blobs(rng, means, 500)
-    result = local_step(x, 5, device_rng(0, 0))
+    result = device_local_step(x, 5, 0, AlgorithmParams())
     assert len(result.centers) == 5
     assert adjusted_rand_score(truth, nearest_center(x, result.centers)[0]) == 1.0
 
@@ -111,42 +120,81 @@ def test_randomized_svd_path_for_wide_devices():
     rng = np.random.default_rng(3)
     means = rng.normal(0, 3, size=(4, 600))
     x, truth = blobs(rng, means, 200)
-    result = local_step(x, 4, device_rng(0, 0))
+    result = device_local_step(x, 4, 0, AlgorithmParams())
     assert adjusted_rand_score(truth, nearest_center(x, result.centers)[0]) == 1.0
 
 
 def test_local_step_is_deterministic_and_ignores_row_order():
     rng = np.random.default_rng(4)
     x, _ = blobs(rng, rng.normal(0, 1.5, size=(5, 6)), 400)  # overlapping: the draws matter
-    first = local_step(x, 5, device_rng(9, "dev"))
-    again = local_step(x, 5, device_rng(9, "dev"))
-    shuffled = local_step(x[rng.permutation(len(x))], 5, device_rng(9, "dev"))
+    first = device_local_step(x, 5, "dev", AlgorithmParams(seed=9))
+    again = device_local_step(x, 5, "dev", AlgorithmParams(seed=9))
+    shuffled = device_local_step(x[rng.permutation(len(x))], 5, "dev", AlgorithmParams(seed=9))
     for other in (again, shuffled):
         np.testing.assert_array_equal(first.centers, other.centers)
         np.testing.assert_array_equal(first.counts, other.counts)
 
 
+def draws_for(device, k, restarts):
+    """The uniform draws a device's rough clusterings take (after none for its projection, d < 512)."""
+    return device_rng(1, device).random((restarts, 1 + (2 + int(np.log(k))) * (k - 1)))
+
+
 @pytest.mark.parametrize("rows, k, restarts", [(500, 8, 3), (60, 7, 5), (40, 2, 1)])
 def test_restarts_side_by_side_choose_what_one_after_the_other_does(rows, k, restarts):
-    """The batched rough clusterings take the same draws and reach the same centers and costs as the
-    restarts run one by one (up to floating-point rounding), with weights from duplicated rows."""
+    """The rough clusterings of a block of devices, restarts side by side, take the same draws and
+    reach the same centers and costs as kmeans_plusplus and Lloyd run one restart and one device after
+    the other (up to floating-point rounding), with weights from duplicated rows and padded devices."""
     rng = np.random.default_rng(rows)
-    x, _ = blobs(rng, rng.normal(0, 3, size=(k, 5)), rows)
-    x, _ = centered(x)
-    weights = rng.integers(1, 4, size=rows).astype(np.float64)
-    batched = local_step_module._batched_rough_clusterings(x, weights, k, restarts, device_rng(1, "d"))
-    one_by_one = local_step_module._sequential_rough_clusterings(x, weights, k, restarts, device_rng(1, "d"))
-    np.testing.assert_allclose(batched[0], np.stack(one_by_one[0]), rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(batched[1], one_by_one[1], rtol=1e-9)
+    devices = []
+    for size in (rows, rows // 2 + k):
+        x, _ = blobs(rng, rng.normal(0, 3, size=(k, 5)), size)
+        devices.append((centered(x)[0], rng.integers(1, 4, size=size).astype(np.float64)))
+    x = np.zeros((2, rows, 5))
+    weights, valid = np.zeros((2, rows)), np.zeros((2, rows), dtype=bool)
+    for i, (rows_i, weights_i) in enumerate(devices):
+        x[i, : len(rows_i)], weights[i, : len(rows_i)], valid[i, : len(rows_i)] = rows_i, weights_i, True
+    draws = np.stack([draws_for(i, k, restarts) for i in range(2)])
+    centers, costs, ran_out = local_step_module._rough_clusterings(x, weights, valid, k, draws)
+    assert not ran_out.any()
+    for i, (rows_i, weights_i) in enumerate(devices):
+        for r in range(restarts):
+            found, cost = local_step_module._sequential_rough_clustering(
+                rows_i, weights_i, k, local_step_module._Draws(draws[i, r])
+            )
+            np.testing.assert_allclose(centers[i, r], found, rtol=1e-9, atol=1e-12)
+            assert costs[i, r] == pytest.approx(cost, rel=1e-9)
 
 
 def test_rough_clusterings_of_rows_that_run_out_of_distinct_points_fall_back_to_one_by_one():
-    x = np.repeat(np.array([[0.0, 0.0], [5.0, 5.0]]), 20, axis=0)  # two distinct points for k = 3
-    assert local_step_module._batched_rough_clusterings(x - 2.5, np.ones(40), 3, 2, device_rng(0, 0)) is None
-    np.testing.assert_array_equal(
-        np.sort(local_step_module.rough_centers(x, np.ones(40), 3, 2, device_rng(0, 0)), axis=0),
-        [[0.0, 0.0], [5.0, 5.0]],
-    )
+    x = np.repeat(np.array([[0.0, 0.0], [5.0, 5.0]]), 20, axis=0)[None]  # two distinct points for k = 3
+    weights, valid, draws = np.ones((1, 40)), np.ones((1, 40), dtype=bool), draws_for(0, 3, 2)[None]
+    assert local_step_module._rough_clusterings(x - 2.5, weights, valid, 3, draws)[2].all()
+    rough, present = local_step_module._rough_centers(x, weights, valid, 3, draws)
+    np.testing.assert_array_equal(np.sort(rough[0][present[0]], axis=0), [[0.0, 0.0], [5.0, 5.0]])
+
+
+def test_a_device_finds_the_same_local_centers_alone_and_among_others():
+    """A device's result does not depend on which devices share its block: the same draws, the same
+    padding, the same floating-point operations; and it is what the kernel finds one device at a time."""
+    table = close_means_mixture(0, devices=40, rows=(5, 300))
+    x = feature_matrix(table.column("features"))
+    devices = table.column("device_id").to_numpy()
+    params = AlgorithmParams(k=49, k_per_device=7)
+    starts = np.append(np.flatnonzero(np.diff(devices, prepend=-1)), len(devices))
+    keys = devices[starts[:-1]]
+    together = local_steps(x, starts, keys, np.full(len(keys), 7), params)
+    for i, key in enumerate(keys):
+        alone = device_local_step(x[starts[i] : starts[i + 1]], 7, key, params)
+        mine = together.of_device(i)
+        np.testing.assert_array_equal(mine.centers, alone.centers)
+        np.testing.assert_array_equal(mine.counts, alone.counts)
+        np.testing.assert_array_equal(mine.sse, alone.sse)
+    uneven = np.full(len(keys), 7)
+    uneven[::3] = 3  # devices of other k in the same call: other blocks, the same results
+    mixed = local_steps(x, starts, keys, uneven, params)
+    for i in range(1, len(keys), 3):
+        np.testing.assert_array_equal(mixed.of_device(i).centers, together.of_device(i).centers)
 
 
 @pytest.mark.parametrize("device", [2, 8])
@@ -158,13 +206,17 @@ def test_local_restarts_keep_the_cheapest_rough_clustering_and_split_merged_clos
     truth = table.column("true_cluster").to_numpy()[mine]
     ari = {}
     for restarts in (1, 3):
-        result = local_step(x, 7, device_rng(0, device), AlgorithmParams(local_restarts=restarts))
+        result = device_local_step(x, 7, device, AlgorithmParams(local_restarts=restarts))
         ari[restarts] = adjusted_rand_index(truth, nearest_center(x, result.centers)[0])
     assert ari[1] < 0.9 and ari[3] > 0.99
+    one = lambda a: a[None]  # noqa: E731
     costs = [
-        nearest_center(x, local_step_module.rough_centers(x, np.ones(len(x)), 7, restarts, device_rng(0, device)))[
-            1
-        ].sum()
+        nearest_center(
+            x,
+            local_step_module._rough_centers(
+                one(x), np.ones((1, len(x))), np.ones((1, len(x)), dtype=bool), 7, one(draws_for(device, 7, restarts))
+            )[0][0],
+        )[1].sum()
         for restarts in (1, 3, 10)
     ]
     assert costs[0] >= costs[1] >= costs[2]  # the first draws are shared: more restarts never cost more
@@ -416,8 +468,8 @@ def test_max_iter_bounds_the_server_step_too():
 
 def test_no_local_center_of_fewer_than_min_center_points_rows_leaves_its_device():
     """A far row of its own on a device, a device of one row and one of two distinct rows: none of their
-    centers is shared; every row still gets a global cluster, a held-back row its device's nearest shared
-    center, a device with none left the nearest global center (local cluster -1)."""
+    centers is shared; every row still gets a global cluster, a held-back row (on a device with shared
+    centers or none) the nearest global center and no local cluster (-1)."""
     rng = np.random.default_rng(7)
     means = np.array([[0.0, 0.0], [20.0, 0.0]])
     big = np.concatenate([means[0] + rng.standard_normal((30, 2)), means[1] + rng.standard_normal((30, 2))])
@@ -431,6 +483,9 @@ def test_no_local_center_of_fewer_than_min_center_points_rows_leaves_its_device(
     assert len(result.labels) == len(x) and (result.labels >= 0).all()
     assert list(result.local_labels[61:]) == [-1, -1, -1]  # devices 1 and 2 share nothing
     assert result.labels[61] == result.labels[0] and result.labels[62] == result.labels[30]  # nearest global
-    assert result.local_labels[60] in set(result.local_labels[:60])  # the lone row: a shared center of its device
+    assert result.local_labels[60] == -1  # the lone row: held back although its device shares two centers
+    nearest = nearest_center(lone, result.server.centers)[0][0]
+    assert result.labels[60] == nearest and set(result.local_labels[:60]) == {0, 1}
+    assert local.held_back.counts.tolist() == [1, 1, 1, 1] and local.held_back.ids.tolist() == [2, 0, 0, 1]
     everything = local_clusterings(x, devices, AlgorithmParams(k=2, k_per_device=3, min_center_points=1))
     assert everything.counts.min() == 1 and len(everything.counts) == 3 + 1 + 2  # 1 shares what it has

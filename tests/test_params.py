@@ -6,7 +6,7 @@ from dataclasses import fields
 import pytest
 
 from kfed_spark.config import KFedConfig, load_config
-from kfed_spark.core.local_step import local_step
+from kfed_spark.core.local_step import local_steps
 from kfed_spark.core.reference import federated_kmeans
 from kfed_spark.core.server_step import server_step
 from kfed_spark.errors import ConfigError
@@ -31,7 +31,7 @@ def test_config_and_estimator_defaults_are_the_tables():
 
 
 def test_kernels_defaults_are_the_tables():
-    for function in (local_step, server_step, federated_kmeans):  # they take the table
+    for function in (local_steps, server_step, federated_kmeans):  # they take the table
         assert inspect.signature(function).parameters["params"].default is DEFAULTS
 
 

@@ -7,10 +7,10 @@ import pytest
 
 from helpers import FAR_MIXTURE, FEATURE_MOVES, spread
 from kfed_spark.bench import synthetic
-from kfed_spark.core.linalg import device_rng
+from kfed_spark.core.linalg import nearest_center
 from kfed_spark.core.local_centers import LocalCenters, feature_matrix
-from kfed_spark.core.local_step import local_step
-from kfed_spark.core.metrics import adjusted_rand_index
+from kfed_spark.core.local_step import device_local_step
+from kfed_spark.core.metrics import adjusted_rand_index, cost_of_labels
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.params import AlgorithmParams
 
@@ -55,7 +55,7 @@ def test_tiny_devices_and_identical_rows():
     # min_center_points 1: a device may share its rows themselves (the paper's reference code does)
     result = federated_kmeans(x, devices, AlgorithmParams(k=4, k_per_device=3, seed=0, min_center_points=1))
     assert len(result.labels) == 7 and len(np.unique(result.labels)) == 4
-    same = local_step(x[:3], 3, device_rng(0, "same"))
+    same = device_local_step(x[:3], 3, "same", AlgorithmParams())
     np.testing.assert_array_equal(same.centers, [[0.0, 0.0]])
     np.testing.assert_array_equal(same.counts, [3])
 
@@ -127,3 +127,18 @@ def test_identical_rows_and_one_point_far_from_the_origin_are_still_duplicates()
     for seeding in ("kmeanspp", "farthest"):
         with pytest.raises(ValueError, match="k = 2 is more than the 1 distinct local centers"):
             federated_kmeans(x, devices, AlgorithmParams(k=2, k_per_device=2, seeding=seeding, seed=0))
+
+
+def test_rows_of_held_back_centers_take_their_nearest_global_center_on_phones_of_ten_rows():
+    """Devices of ten rows from two clusters: one split 8/2 or 9/1 holds its small center back
+    (min_center_points 3). Its rows take the nearest global center, not the device's other shared center
+    (a cluster far away), and no local cluster."""
+    table = synthetic.mixture(k=8, k_per_device=2, devices=600, points_per_device=10, dim=16, seed=3)
+    x = feature_matrix(table.column("features"))
+    devices, truth = table.column("device_id").to_numpy(), table.column("true_cluster").to_numpy()
+    result = federated_kmeans(x, devices, AlgorithmParams(k=8, k_per_device=2))
+    assert adjusted_rand_index(truth, result.labels) == 1.0
+    held = result.local_labels == -1
+    assert held.sum() > 100
+    assert cost_of_labels(x, result.labels) == pytest.approx(cost_of_labels(x, truth), rel=1e-12)
+    np.testing.assert_array_equal(result.labels[held], nearest_center(x[held], result.server.centers)[0])

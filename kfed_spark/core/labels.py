@@ -35,9 +35,11 @@ class LabelModel:
     """Everything needed to label a row: each device's local centers and their global clusters.
 
     Devices are rows of padded arrays: device_centers (devices, k', d), center_valid (devices,
-    k'), center_cluster (devices, k'). Centers are held relative to origin, the global centers'
-    mean, and rows are moved by it before any distance (see the module's docstring). It travels to
-    the workers inside the labelling function, which Spark broadcasts once it is large.
+    k'), center_cluster (devices, k'; -1: the row's nearest global center), center_local (devices,
+    k': the local_cluster_id its rows get, -1 for a held-back center, whose rows get none). Centers
+    are held relative to origin, the global centers' mean, and rows are moved by it before any
+    distance (see the module's docstring). It travels to the workers inside the labelling function,
+    which Spark broadcasts once it is large.
 
     With label_unseen, a row of a device the model has no local centers for takes the nearest global
     center and local cluster -1 (what streams and the estimator's transform do: the label then depends
@@ -48,6 +50,7 @@ class LabelModel:
     device_centers: np.ndarray  # relative to origin
     center_valid: np.ndarray
     center_cluster: np.ndarray
+    center_local: np.ndarray
     global_centers: np.ndarray  # relative to origin
     origin: np.ndarray
     label_mode: str
@@ -65,21 +68,27 @@ class LabelModel:
         label_mode,
         label_unseen: bool = False,
         cluster_ids: np.ndarray | None = None,
+        held_back: np.ndarray | None = None,
     ) -> "LabelModel":
+        """The model of local centers (device, local id, center, global cluster); held_back marks centers
+        that no global cluster took, whose rows get the nearest global center and no local cluster."""
         keys, slot = np.unique(np.asarray(devices), return_inverse=True)
         width = int(np.max(local_ids)) + 1
         global_centers, origin = centered(np.asarray(global_centers, dtype=np.float64))
         device_centers = np.zeros((len(keys), width, centers.shape[1]))
         center_valid = np.zeros((len(keys), width), dtype=bool)
         center_cluster = np.full((len(keys), width), -1, dtype=np.int64)
+        center_local = np.full((len(keys), width), -1, dtype=np.int64)
         device_centers[slot, local_ids] = centers - origin
         center_valid[slot, local_ids] = True
         center_cluster[slot, local_ids] = clusters
+        center_local[slot, local_ids] = np.where(held_back, -1, local_ids) if held_back is not None else local_ids
         return cls(
             keys,
             device_centers,
             center_valid,
             center_cluster,
+            center_local,
             global_centers,
             origin,
             label_mode,
@@ -98,13 +107,16 @@ class LabelModel:
         seen = np.flatnonzero(~unseen) if np.any(unseen) else slice(None)  # a slice: no copy of x in the usual case
         local = np.full(len(x), -1, dtype=np.int64)
         assigned = np.full(len(x), -1, dtype=np.int64)  # -1: the nearest global center
-        local[seen], _ = nearest_device_center(x[seen], slots[seen], self.device_centers, self.center_valid)
+        nearest, _ = nearest_device_center(x[seen], slots[seen], self.device_centers, self.center_valid)
+        local[seen] = self.center_local[slots[seen], nearest]
         if self.label_mode != "nearest":
-            assigned[seen] = self.center_cluster[slots[seen], local[seen]]
+            assigned[seen] = self.center_cluster[slots[seen], nearest]
         cluster, sq_dist, margin = assigned_with_margin(x, self.global_centers, assigned)
         if self.label_mode != "nearest":  # the exact distance to the assigned center, as the cost adds it up
-            diff = x[seen] - self.global_centers[cluster[seen]]
-            sq_dist[seen] = np.einsum("ij,ij->i", diff, diff)
+            held = assigned < 0  # unseen devices' and held-back centers' rows: the nearest center's distance
+            induced = np.flatnonzero(~held) if held.any() else slice(None)
+            diff = x[induced] - self.global_centers[cluster[induced]]
+            sq_dist[induced] = np.einsum("ij,ij->i", diff, diff)
         return local, cluster if self.cluster_ids is None else self.cluster_ids[cluster], sq_dist, margin
 
 

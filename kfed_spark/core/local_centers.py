@@ -3,10 +3,12 @@ over an Arrow table (what the local step's output holds, and what the `local_cen
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kfed_spark.core.k_sweep import KSweep, sweep
 from kfed_spark.core.labels import LabelModel
@@ -35,7 +37,11 @@ def features_array(x: np.ndarray) -> pa.ListArray:
 class LocalCenters:
     """Every device's local centers, in an Arrow table (as the local step returns them from Spark and the
     local_centers table stores them) and numpy views of it: each center's device, its id within the device,
-    the center, its rows and its sum of squared errors."""
+    the center, its rows and its sum of squared errors.
+
+    held_back: the local centers of fewer than min_center_points rows (held_back_from), which never
+    join a global cluster nor the local_centers table: they only mark their rows, which the label
+    model gives the nearest global center and no local cluster."""
 
     table: pa.Table
     devices: np.ndarray
@@ -43,6 +49,7 @@ class LocalCenters:
     centers: np.ndarray
     counts: np.ndarray
     sse: np.ndarray
+    held_back: LocalCenters | None = None
 
     @classmethod
     def of(
@@ -71,6 +78,14 @@ class LocalCenters:
             sse=table.column("sse").to_numpy(),  # NaN where a private device shared none
         )
 
+    def held_back_from(self, min_points: int) -> LocalCenters:
+        """These centers as a device may share them, those of at least min_points rows (a center of
+        fewer is nearly the rows themselves), with the rest held back."""
+        small = pc.less(self.table.column("n_points"), min_points)
+        shared = LocalCenters.from_arrow(self.table.filter(pc.invert(small)), self.centers.shape[1])
+        held = LocalCenters.from_arrow(self.table.filter(small), self.centers.shape[1])
+        return dataclasses.replace(shared, held_back=held)
+
     def sweep(self, ks: list[int], params: AlgorithmParams) -> KSweep:
         """The server step for every k of ks over these local centers, with its figures (kfed_spark.core.k_sweep)."""
         if np.isnan(self.sse).any():
@@ -87,7 +102,13 @@ class LocalCenters:
         new one in the cluster of its nearest center: how a model takes devices it has not seen."""
         table = pa.concat_tables([self.table, new.table.cast(self.table.schema)])
         joined = nearest_center(new.centers, centers)[0] if len(new.counts) else np.zeros(0, dtype=assignment.dtype)
-        return LocalCenters.from_arrow(table, centers.shape[1]), np.concatenate([assignment, joined])
+        held = [part.held_back.table.cast(self.table.schema) for part in (self, new) if part.held_back is not None]
+        found = LocalCenters.from_arrow(table, centers.shape[1])
+        if held:
+            found = dataclasses.replace(
+                found, held_back=LocalCenters.from_arrow(pa.concat_tables(held), centers.shape[1])
+            )
+        return found, np.concatenate([assignment, joined])
 
     def label_model(
         self,
@@ -98,7 +119,21 @@ class LocalCenters:
         cluster_ids: np.ndarray | None = None,
     ) -> LabelModel:
         """What labels rows with these local centers, given the global cluster each joined (its position in
-        centers) and the centers, with their published ids (default: their positions)."""
+        centers) and the centers, with their published ids (default: their positions). The held-back
+        centers' rows take the nearest global center and no local cluster."""
+        held = self.held_back if self.held_back is not None and len(self.held_back.counts) else None
+        if held is None:
+            return LabelModel.build(
+                self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen, cluster_ids
+            )
         return LabelModel.build(
-            self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen, cluster_ids
+            np.concatenate([self.devices, held.devices]),
+            np.concatenate([self.ids, held.ids]),
+            np.concatenate([self.centers, held.centers]),
+            np.concatenate([assignment, np.full(len(held.counts), -1, dtype=np.asarray(assignment).dtype)]),
+            centers,
+            label_mode,
+            label_unseen,
+            cluster_ids,
+            held_back=np.arange(len(self.counts) + len(held.counts)) >= len(self.counts),
         )

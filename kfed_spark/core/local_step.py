@@ -4,26 +4,27 @@ local step that takes its place under a privacy budget: numpy, no Spark.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from kfed_spark.core.linalg import (
+    COST_TIE,
     DUPLICATE_TOLERANCE,
-    centered,
+    RANDOMIZED_SVD_MIN_DIM,
     device_rng,
     distinct_rows,
     kmeans_plusplus,
     lloyd,
-    lowest_cost,
     nearest_with_norms,
     noise_rng,
-    squared_distances,
+    plain,
     top_right_singular_vectors,
-    weighted_means,
     weighted_sums,
 )
 from kfed_spark.core.privacy import NoiseScales
+from kfed_spark.core.sampling import scale_counts
 from kfed_spark.params import DEFAULTS, AlgorithmParams
 
 MARGIN = 3.0
@@ -47,49 +48,380 @@ class DeviceCenters:
     sse: np.ndarray  # (m,) float64
 
 
-def margin_initial_centers(x: np.ndarray, projected: np.ndarray, weights: np.ndarray, rough: np.ndarray) -> np.ndarray:
-    """Alg. 1's initial centers: for each rough center, the mean of the ORIGINAL rows of the points
-    that are at least MARGIN times closer to it than to any other rough center.
+@dataclass(frozen=True)
+class DevicesCenters:
+    """What many devices' local steps found, device after device: each center's device (its position
+    among the devices given), the center, its point count and its sum of squared errors."""
 
-    A rough center that keeps no point falls back to the mean of its whole cell.
-    """
-    k = len(rough)
-    dist = np.sqrt(squared_distances(projected, rough))
-    labels = np.argmin(dist, axis=1)
-    if k > 1:
-        nearest_two = np.partition(dist, 1, axis=1)[:, :2]
-        kept = MARGIN * nearest_two[:, 0] <= nearest_two[:, 1]
-    else:
-        kept = np.ones(len(x), dtype=bool)
-    margin_means, margin_mass = weighted_means(x[kept], weights[kept], labels[kept], k)
-    cell_means, _ = weighted_means(x, weights, labels, k)
-    return np.where(margin_mass[:, None] > 0, margin_means, cell_means)
+    owner: np.ndarray  # (m,) int64
+    centers: np.ndarray  # (m, d) float64
+    counts: np.ndarray  # (m,) int64
+    sse: np.ndarray  # (m,) float64
+
+    def of_device(self, position: int) -> DeviceCenters:
+        """The centers of the device at this position."""
+        mine = self.owner == position
+        return DeviceCenters(self.centers[mine], self.counts[mine], self.sse[mine])
+
+    @classmethod
+    def of_each(cls, found: list[DeviceCenters]) -> "DevicesCenters":
+        """Devices' centers found one at a time, the i-th device's at position i."""
+        dim = found[0].centers.shape[1] if found else 0
+        parts = [cls(np.full(len(f.counts), i), f.centers, f.counts, f.sse) for i, f in enumerate(found)]
+        return cls.joined(parts, dim)
+
+    def ids(self) -> np.ndarray:
+        """Each center's id within its device: 0, 1, ... in order."""
+        first = np.flatnonzero(np.concatenate([[True], self.owner[1:] != self.owner[:-1]]))
+        return np.arange(len(self.owner)) - np.repeat(first, np.diff(np.append(first, len(self.owner))))
+
+    def with_counts_of(self, seen: np.ndarray, clustered: np.ndarray) -> "DevicesCenters":
+        """The centers of devices clustered on a sample, with the counts and SSE of all their rows: seen[i]
+        rows of device i were clustered as clustered[i]."""
+        counts = self.counts.copy()
+        for position in np.flatnonzero(seen != clustered):
+            mine = self.owner == position
+            counts[mine] = scale_counts(self.counts[mine], int(seen[position]))
+        return dataclasses.replace(self, counts=counts, sse=self.sse * (seen / clustered)[self.owner])
+
+    def subset(self, keep: np.ndarray) -> "DevicesCenters":
+        """The centers where keep is True (or at the positions it lists, in its order)."""
+        return DevicesCenters(self.owner[keep], self.centers[keep], self.counts[keep], self.sse[keep])
+
+    def shared_first(self, min_points: int) -> "DevicesCenters":
+        """The same centers, on each device those it may share (at least min_points rows) before those it
+        holds back: a center of fewer rows is nearly the rows themselves, so it never joins a global
+        cluster nor the local_centers table, and its rows take the nearest global center
+        (LocalCenters.held_back). ids() then numbers the shared ones 0, 1, ... as they are published."""
+        return self.subset(np.lexsort((self.counts < min_points, self.owner)))
+
+    @classmethod
+    def joined(cls, parts: list["DevicesCenters"], dim: int) -> "DevicesCenters":
+        """parts' centers in one, in the order of their devices' positions."""
+        if not parts:
+            return cls(np.zeros(0, np.int64), np.zeros((0, dim)), np.zeros(0, np.int64), np.zeros(0))
+        owner = np.concatenate([part.owner for part in parts])
+        order = np.argsort(owner, kind="stable")
+        return cls(
+            owner[order],
+            np.concatenate([part.centers for part in parts])[order],
+            np.concatenate([part.counts for part in parts])[order],
+            np.concatenate([part.sse for part in parts])[order],
+        )
 
 
-def local_step(x: np.ndarray, k: int, rng: np.random.Generator, params: AlgorithmParams = DEFAULTS) -> DeviceCenters:
-    """Alg. 1 on one device's rows x (n, d): at most k local centers with counts and SSE, with
-    params' local_restarts, max_iter and tol.
+def local_steps(
+    x: np.ndarray, starts: np.ndarray, devices: np.ndarray, ks: np.ndarray, params: AlgorithmParams = DEFAULTS
+) -> DevicesCenters:
+    """Alg. 1 on every device, with params' local_restarts, max_iter, tol and seed: x (n, d) holds the
+    rows grouped by device, device i's being x[starts[i]:starts[i + 1]]; devices[i] is its id and
+    ks[i] the most local centers it may have.
 
-    Rows are deduplicated first (np.unique sorts them), so duplicates cost nothing and the
-    result does not depend on the order the rows arrived in. A device with at most k distinct
-    rows returns those rows with their multiplicities. The rest works on the centered() rows: the
+    The devices are clustered together, as arrays with a device axis: numpy calls per block of
+    devices, not per device (on a hundred thousand devices of ten rows the calls, not the arithmetic,
+    would be the cost). A device's result is what it would be alone: its draws come from
+    device_rng(seed, its id), and it is padded to a row count that depends on its own alone
+    (padded_rows), so no other device changes any of its floating-point operations.
+
+    Rows are deduplicated first (distinct_rows sorts them), so duplicates cost nothing and the
+    result does not depend on the order the rows arrived in. A device with at most k distinct rows
+    shares those rows with their multiplicities. The rest works on the centered() rows: the
     projection is on the top singular vectors of the rows around their mean (the paper's uncentered
     rows would give a subspace that depends on where the origin is).
     """
-    distinct, counts = distinct_rows(x)
-    if len(distinct) <= k:
-        return DeviceCenters(distinct, counts.astype(np.int64), np.zeros(len(distinct)))
-    weights = counts.astype(np.float64)
-    rows, origin = centered(distinct, weights)
-    rank = min(k, rows.shape[1])
-    projected = rows @ top_right_singular_vectors(rows, weights, rank, rng).T
-    rough = rough_centers(projected, weights, k, params.local_restarts, rng)
-    initial = margin_initial_centers(rows, projected, weights, rough)
-    centers, labels, sq_dist, _ = lloyd(rows, weights, initial, params.max_iter, params.tol)
-    mass = np.bincount(labels, weights=weights, minlength=k)
-    sse = np.bincount(labels, weights=weights * sq_dist, minlength=k)
+    ks = np.asarray(ks, dtype=np.int64)
+    distinct, counts, owner = distinct_rows(x, np.repeat(np.arange(len(devices)), np.diff(starts)))
+    sizes = np.bincount(owner, minlength=len(devices))
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    few = sizes[owner] <= ks[owner]
+    parts = [DevicesCenters(owner[few], distinct[few], counts[few].astype(np.int64), np.zeros(np.count_nonzero(few)))]
+    many = np.flatnonzero(sizes > ks)
+    widths = padded_rows(sizes[many])
+    order = np.lexsort((widths, ks[many]))
+    many, widths = many[order], widths[order]
+    bucket_starts = np.flatnonzero(
+        np.concatenate([[True], (widths[1:] != widths[:-1]) | (ks[many][1:] != ks[many][:-1])])
+    )[: len(many)]  # no bucket without devices
+    d = x.shape[1]
+    for bucket, bucket_end in zip(bucket_starts, np.append(bucket_starts[1:], len(many))):
+        k, width = int(ks[many[bucket]]), int(widths[bucket])
+        per_block = max(1, BATCH_ELEMENTS // (width * max(d, (k + 4) * params.local_restarts)))
+        for start in range(bucket, bucket_end, per_block):
+            members = many[start : min(start + per_block, bucket_end)]
+            slots = np.arange(width)
+            valid = slots[None, :] < sizes[members][:, None]
+            index = np.where(valid, first[members][:, None] + slots[None, :], 0)
+            rows = np.where(valid[:, :, None], distinct[index], 0.0)
+            weights = np.where(valid, counts[index], 0).astype(np.float64)
+            found = _block_local_steps(rows, weights, valid, devices[members], k, params)
+            parts.append(dataclasses.replace(found, owner=members[found.owner]))
+    return DevicesCenters.joined(parts, d)
+
+
+BATCH_ELEMENTS = 1 << 19
+"""Devices are clustered together in blocks of at most this many padded values per array (16 MiB)."""
+
+
+def padded_rows(sizes: np.ndarray) -> np.ndarray:
+    """The row count a device of `sizes` distinct rows is padded to: itself up to 16, then the next
+    multiple of an eighth of its highest power of two (at most an eighth more rows), so that a block
+    holds devices of many sizes and a device's padding depends on its own size alone."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    power = np.floor(np.log2(np.maximum(sizes, 1))).astype(np.int64)
+    step = 2 ** np.maximum(0, power - 3)
+    return -(-sizes // step) * step
+
+
+class _Draws:
+    """Uniform draws handed out in order from a row of them: a generator for kmeans_plusplus."""
+
+    def __init__(self, values: np.ndarray):
+        self.values, self.used = values, 0
+
+    def random(self, size: int) -> np.ndarray:
+        self.used += size
+        return self.values[self.used - size : self.used]
+
+
+def _block_local_steps(
+    x: np.ndarray, weights: np.ndarray, valid: np.ndarray, devices: np.ndarray, k: int, params: AlgorithmParams
+) -> DevicesCenters:
+    """Alg. 1 on a block of B devices with more than k distinct rows each, padded to one row count P:
+    x (B, P, d) with zero rows where valid (B, P) is False, weights (B, P) zero there. The owners of
+    the result are positions in the block."""
+    origin = np.einsum("bp,bpd->bd", weights, x) / weights.sum(axis=1)[:, None]
+    rows = np.where(valid[:, :, None], x - origin[:, None, :], 0.0)
+    rngs = [device_rng(params.seed, plain(device)) for device in devices]
+    projected = rows @ _projections(rows, weights, min(k, x.shape[2]), rngs)  # (B, P, rank)
+    trials = 2 + int(np.log(k))
+    draws = np.stack([rng.random((params.local_restarts, 1 + trials * (k - 1))) for rng in rngs])
+    rough, present = _rough_centers(projected, weights, valid, k, draws)
+    initial = _margin_initial_centers(rows, projected, weights, valid, rough, present)
+    centers, labels, sq_dist = _lloyd(rows, weights, valid, initial, present, params.max_iter, params.tol)
+    mass = _by_label(labels, weights, k).sum(axis=2)
+    sse = _by_label(labels, weights * sq_dist, k).sum(axis=2)
     keep = mass > 0
-    return DeviceCenters(centers[keep] + origin, mass[keep].astype(np.int64), sse[keep])
+    owner = np.repeat(np.arange(len(x)), keep.sum(axis=1))
+    return DevicesCenters(owner, (centers + origin[:, None, :])[keep], mass[keep].astype(np.int64), sse[keep])
+
+
+def _projections(rows: np.ndarray, weights: np.ndarray, rank: int, rngs: list[np.random.Generator]) -> np.ndarray:
+    """(B, d, rank): each device's top right singular vectors of its weighted rows sqrt(w) * x, as columns.
+
+    Below RANDOMIZED_SVD_MIN_DIM features they are found from the eigenvectors of the smaller of the
+    two Gram matrices, (d, d) or (P, P), for the whole block at once; from RANDOMIZED_SVD_MIN_DIM on,
+    by a seeded randomized SVD per device (linalg.top_right_singular_vectors: the device's first draws)."""
+    width, d = rows.shape[1:]
+    if d >= RANDOMIZED_SVD_MIN_DIM:
+        return np.stack(
+            [top_right_singular_vectors(r[w > 0], w[w > 0], rank, rng).T for r, w, rng in zip(rows, weights, rngs)]
+        )
+    a = rows * np.sqrt(weights)[:, :, None]
+    if width >= d:
+        return np.linalg.eigh(np.swapaxes(a, 1, 2) @ a)[1][:, :, ::-1][:, :, :rank]  # eigenvalues ascending
+    values, left = np.linalg.eigh(a @ np.swapaxes(a, 1, 2))
+    singular = np.sqrt(np.maximum(values[:, ::-1][:, :rank], 0.0))
+    right = np.swapaxes(a, 1, 2) @ left[:, :, ::-1][:, :, :rank]  # (B, d, rank): columns of length `singular`
+    # A singular value at rounding level has no direction: every row's coordinate along it is zero.
+    real = singular > DUPLICATE_TOLERANCE * np.max(singular, axis=1, keepdims=True)
+    return np.where(real[:, None, :], right / np.where(real, singular, 1.0)[:, None, :], 0.0)
+
+
+def _by_label(labels: np.ndarray, weights: np.ndarray, k: int) -> np.ndarray:
+    """(..., k, P): each row's weight at its label, zero elsewhere; labels (..., P), weights broadcast to them."""
+    out = np.zeros((*labels.shape[:-1], k, labels.shape[-1]))
+    np.put_along_axis(out, labels[..., None, :], np.broadcast_to(weights, labels.shape)[..., None, :], axis=-2)
+    return out
+
+
+def _nearest(
+    x: np.ndarray, x_sq: np.ndarray, centers: np.ndarray, present: np.ndarray, valid: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's nearest present center and squared distance to it: x (B, P, p) near the origin with
+    squared norms x_sq (B, P), centers (B, k, p) or with restarts (B, R, k, p), present of their shape
+    but p; label 0 and distance 0 where valid (B, P) is False. Results (B, P) or (B, R, P).
+
+    The distances are laid out (..., k, P), rows innermost: the minimum over the few centers is then
+    taken over long rows of memory, not over short ones."""
+    c_sq = np.where(present, np.einsum("...p,...p->...", centers, centers), np.inf)
+    flat = centers.reshape(len(x), -1, x.shape[2])  # one matrix product per device for all its restarts
+    partial = (flat @ x.transpose(0, 2, 1)).reshape(*centers.shape[:-1], x.shape[1])
+    partial *= -2.0
+    partial += c_sq[..., None]
+    if centers.ndim == 4:
+        x_sq, valid = x_sq[:, None, :], valid[:, None, :]
+    best = np.min(partial, axis=-2)
+    best += x_sq
+    return np.where(valid, np.argmin(partial, axis=-2), 0), np.where(valid, np.maximum(best, 0.0), 0.0)
+
+
+def _rough_centers(
+    projected: np.ndarray, weights: np.ndarray, valid: np.ndarray, k: int, draws: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rough clustering of alg. 1 on a block: for each device the best of its restarts (draws
+    (B, restarts, ...)), each a greedy k-means++ seeding followed by ROUGH_LLOYD_ITERATIONS Lloyd rounds,
+    by weighted cost in the projection; (B, k, rank) centers and which of them are present (a seeding
+    that runs out of distinct rows has fewer).
+
+    One rough clustering sometimes merges two close clusters, and every later step inherits it; the
+    projection has only k dimensions, so trying several costs little next to the Lloyd rounds on the
+    original rows. A device whose seeding runs out of distinct rows is seeded one restart after the
+    other (kmeans_plusplus stops there) from the same draws.
+    """
+    origin = np.einsum("bp,bpr->br", weights, projected) / weights.sum(axis=1)[:, None]
+    x = np.where(valid[:, :, None], projected - origin[:, None, :], 0.0)
+    centers, costs, ran_out = _rough_clusterings(x, weights, valid, k, draws)
+    present = np.ones(centers.shape[:3], dtype=bool)
+    for device in np.flatnonzero(ran_out):
+        mine = valid[device]
+        for restart, restart_draws in enumerate(draws[device]):
+            found, cost = _sequential_rough_clustering(x[device][mine], weights[device][mine], k, _Draws(restart_draws))
+            centers[device, restart, : len(found)] = found
+            present[device, restart] = np.arange(k) < len(found)
+            costs[device, restart] = cost
+    lowest = np.min(costs, axis=1, keepdims=True)
+    best = np.argmax(costs <= lowest + COST_TIE * np.abs(lowest), axis=1)  # linalg.lowest_cost, per device
+    devices = np.arange(len(x))
+    return centers[devices, best] + origin[:, None, :], present[devices, best]
+
+
+def _sequential_rough_clustering(x: np.ndarray, weights: np.ndarray, k: int, draws: _Draws) -> tuple[np.ndarray, float]:
+    """One restart's rough centers (k or, where the distinct rows run out, fewer) and cost, for one device."""
+    seeds = x[kmeans_plusplus(x, weights, k, draws)]
+    found, _, sq_dist, _ = lloyd(x, weights, seeds, ROUGH_LLOYD_ITERATIONS, tol=0.0)
+    return found, float(weights @ sq_dist)
+
+
+def _rough_clusterings(
+    x: np.ndarray, weights: np.ndarray, valid: np.ndarray, k: int, draws: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every device's and restart's k-means++ seeding and rough Lloyd rounds as arrays (B, restarts, ...):
+    the draws in the order kmeans_plusplus takes them, the same choices up to floating-point rounding.
+    Returns the centers (B, restarts, k, rank), their costs (B, restarts) and which devices ran out of
+    distinct rows (their results are to be replaced: kmeans_plusplus would have stopped early).
+    x must be near the origin; padded rows are zero with zero weight.
+    """
+    n_devices, restarts = draws.shape[:2]
+    trials = 2 + int(np.log(k))
+    norms = np.einsum("bpr,bpr->bp", x, x)
+    last_row = valid.sum(axis=1) - 1
+    # Every row within rounding of a seed (kmeans_plusplus's stop) leaves at most this potential.
+    running_out = DUPLICATE_TOLERANCE * np.max(norms, axis=1) * weights.sum(axis=1)
+    blocks, restart_axis = np.arange(n_devices)[:, None], np.arange(restarts)[None, :]
+    mass = np.cumsum(weights, axis=1)
+    chosen = np.empty((n_devices, restarts, k), dtype=np.int64)
+    chosen[:, :, 0] = _searched(mass[:, None, :], draws[:, :, :1] * mass[:, None, -1:], last_row[:, None])[:, :, 0]
+    seeds = x[blocks, chosen[:, :, 0]]  # (B, restarts, rank)
+    closest = np.maximum(
+        norms[blocks, chosen[:, :, 0]][:, :, None] - 2.0 * seeds @ np.swapaxes(x, 1, 2) + norms[:, None, :], 0.0
+    )
+    minus_twice_xt = -2.0 * np.swapaxes(x, 1, 2)
+    ran_out = np.zeros(n_devices, dtype=bool)
+    for step in range(1, k):
+        cumulative = np.cumsum(weights[:, None, :] * closest, axis=2)  # (B, restarts, P)
+        ran_out |= np.any(cumulative[:, :, -1] <= running_out[:, None], axis=1)
+        targets = draws[:, :, 1 + (step - 1) * trials : 1 + step * trials] * cumulative[:, :, -1:]
+        candidates = _searched(cumulative, targets, last_row[:, None])  # (B, restarts, trials)
+        flat = candidates.reshape(n_devices, restarts * trials)
+        candidate_closest = x[blocks, flat] @ minus_twice_xt  # (B, restarts * trials, P)
+        candidate_closest += norms[blocks, flat][:, :, None]
+        candidate_closest += norms[:, None, :]
+        np.maximum(candidate_closest, 0.0, out=candidate_closest)
+        candidate_closest = np.minimum(
+            candidate_closest.reshape(n_devices, restarts, trials, -1), closest[:, :, None, :]
+        )
+        best = np.argmin(candidate_closest @ weights[:, None, :, None], axis=2)[:, :, 0]  # (B, restarts)
+        chosen[:, :, step] = candidates[blocks, restart_axis, best]
+        closest = candidate_closest[blocks, restart_axis, best]
+    centers = x[blocks[:, :, None], chosen]  # (B, restarts, k, rank)
+    present = np.ones((n_devices, restarts, k), dtype=bool)
+    labels, sq_dist = _nearest(x, norms, centers, present, valid)
+    for _ in range(ROUGH_LLOYD_ITERATIONS):
+        by_label = _by_label(labels, weights[:, None, :], k)  # (B, restarts, k, P)
+        cluster_mass = by_label.sum(axis=3)
+        moved = cluster_mass > 0
+        means = (by_label @ x[:, None]) / np.where(moved, cluster_mass, 1.0)[..., None]
+        centers = np.where(moved[..., None], means, centers)
+        new_labels, sq_dist = _nearest(x, norms, centers, present, valid)
+        unchanged = np.array_equal(new_labels, labels)
+        labels = new_labels
+        if unchanged:  # every device's every restart has converged (one more round would change none)
+            break
+    return centers, np.einsum("brp,bp->br", sq_dist, weights), ran_out
+
+
+def _searched(cumulative: np.ndarray, targets: np.ndarray, last_row: np.ndarray) -> np.ndarray:
+    """np.searchsorted(cumulative, targets, side="right") along the last axis, for many rows at once,
+    at most last_row: the draw of a row with probability proportional to its increment."""
+    return np.minimum(np.sum(cumulative[..., None, :] <= targets[..., None], axis=-1), last_row[..., None])
+
+
+def _margin_initial_centers(
+    rows: np.ndarray,
+    projected: np.ndarray,
+    weights: np.ndarray,
+    valid: np.ndarray,
+    rough: np.ndarray,
+    present: np.ndarray,
+) -> np.ndarray:
+    """Alg. 1's initial centers (B, k, d): for each rough center, the mean of the ORIGINAL rows of the
+    points that are at least MARGIN times closer to it than to any other rough center.
+
+    A rough center that keeps no point falls back to the mean of its whole cell (zero if empty).
+    """
+    k = rough.shape[1]
+    partial = -2.0 * rough @ projected.transpose(0, 2, 1)  # (B, k, P): see _nearest
+    partial += np.where(present, np.einsum("bkr,bkr->bk", rough, rough), np.inf)[:, :, None]
+    partial += np.einsum("bpr,bpr->bp", projected, projected)[:, None, :]
+    dist = np.sqrt(np.maximum(partial, 0.0))
+    labels = np.where(valid, np.argmin(dist, axis=1), 0)
+    if k > 1:
+        nearest_two = np.partition(dist, 1, axis=1)
+        kept = MARGIN * nearest_two[:, 0] <= nearest_two[:, 1]
+    else:
+        kept = np.ones(labels.shape, dtype=bool)
+    cells = _by_label(labels, weights, k)
+    margins = _by_label(labels, np.where(kept, weights, 0.0), k)
+    cell_mass, margin_mass = cells.sum(axis=2), margins.sum(axis=2)
+    cell_means = (cells @ rows) / np.where(cell_mass > 0, cell_mass, 1.0)[:, :, None]
+    margin_means = (margins @ rows) / np.where(margin_mass > 0, margin_mass, 1.0)[:, :, None]
+    return np.where(margin_mass[:, :, None] > 0, margin_means, cell_means)
+
+
+def _lloyd(
+    x: np.ndarray,
+    weights: np.ndarray,
+    valid: np.ndarray,
+    centers: np.ndarray,
+    present: np.ndarray,
+    max_iter: int,
+    tol: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """linalg.lloyd on every device of a block (x (B, P, d) near the origin, centers (B, k, d), absent
+    ones never taken): each device stops where linalg.lloyd stops on it alone, and stops costing work
+    there. Returns the centers, each row's label and squared distance to its center."""
+    k = centers.shape[1]
+    x_sq = np.einsum("bpd,bpd->bp", x, x)
+    scale = np.einsum("bp,bp->b", weights, x_sq) / weights.sum(axis=1)
+    scale[scale == 0] = 1.0
+    centers = centers.copy()
+    labels, sq_dist = _nearest(x, x_sq, centers, present, valid)
+    active = np.arange(len(x))
+    for _ in range(max_iter):
+        if not len(active):
+            break
+        by_label = _by_label(labels[active], weights[active], k)
+        mass = by_label.sum(axis=2)
+        moved = mass > 0
+        means = (by_label @ x[active]) / np.where(moved, mass, 1.0)[:, :, None]
+        old = centers[active]
+        shift = np.max(np.where(moved, np.sum((means - old) ** 2, axis=2), 0.0), axis=1)
+        centers[active] = np.where(moved[:, :, None], means, old)
+        new_labels, new_sq_dist = _nearest(x[active], x_sq[active], centers[active], present[active], valid[active])
+        unchanged = np.all(new_labels == labels[active], axis=1)
+        labels[active], sq_dist[active] = new_labels, new_sq_dist
+        active = active[~(unchanged | (shift <= tol * scale[active]))]
+    return centers, labels, sq_dist
 
 
 def private_local_step(
@@ -153,111 +485,15 @@ def _split(centers: np.ndarray, counts: np.ndarray, wanted: int, half: float, rn
 def device_local_step(
     x: np.ndarray, k: int, device: object, params: AlgorithmParams, noise_key: int | None = None
 ) -> DeviceCenters:
-    """One device's local centers, before shared_centers: alg. 1, or with privacy_epsilon set the
+    """One device's local centers: alg. 1, or with privacy_epsilon set the
     private local step, whose noise comes from noise_key (linalg.noise_rng)."""
-    rng = device_rng(params.seed, device)
     if params.privacy_epsilon is None:
-        return local_step(x, k, rng, params)
+        return local_steps(x, np.array([0, len(x)]), np.array([device], dtype=object), np.array([k]), params).of_device(
+            0
+        )
     if noise_key is None:
         raise ValueError("a private local step needs the run's noise key")
-    return private_local_step(x, k, rng, noise_rng(noise_key, device), params)
-
-
-def shared_centers(result: DeviceCenters, min_points: int) -> DeviceCenters:
-    """The local centers a device may share: those standing for at least min_points rows. A center of
-    fewer is (nearly) the rows themselves; its rows are labelled by the device's nearest shared center,
-    or, with none left, as an unseen device's rows are (LabelModel.label_unseen)."""
-    keep = result.counts >= min_points
-    if keep.all():
-        return result
-    return DeviceCenters(result.centers[keep], result.counts[keep], result.sse[keep])
-
-
-def rough_centers(
-    projected: np.ndarray, weights: np.ndarray, k: int, restarts: int, rng: np.random.Generator
-) -> np.ndarray:
-    """The rough clustering of alg. 1: the best of `restarts` greedy k-means++ seedings, each followed
-    by ROUGH_LLOYD_ITERATIONS Lloyd rounds, by weighted cost in the projection.
-
-    One rough clustering sometimes merges two close clusters, and every later step inherits it;
-    the projection has only k dimensions, so trying several costs little next to the Lloyd
-    rounds on the original rows. The restarts run side by side as arrays with a leading restart
-    axis (_batched_rough_clusterings): on a device's few hundred rows the numpy calls, not the
-    arithmetic, are the cost. Where a seeding runs out of distinct rows they run one after the
-    other instead, from the same draws.
-    """
-    projected, origin = centered(projected, weights)
-    state = rng.bit_generator.state
-    found: tuple[np.ndarray | list[np.ndarray], np.ndarray | list[float]] | None
-    found = _batched_rough_clusterings(projected, weights, k, restarts, rng)
-    if found is None:
-        rng.bit_generator.state = state
-        found = _sequential_rough_clusterings(projected, weights, k, restarts, rng)
-    centers, costs = found
-    return centers[lowest_cost(list(costs))] + origin
-
-
-def _sequential_rough_clusterings(
-    projected: np.ndarray, weights: np.ndarray, k: int, restarts: int, rng: np.random.Generator
-) -> tuple[list[np.ndarray], list[float]]:
-    """Each restart's rough centers and cost, one restart after the other."""
-    centers, costs = [], []
-    for _ in range(restarts):
-        seeds = projected[kmeans_plusplus(projected, weights, k, rng)]
-        found, _, sq_dist, _ = lloyd(projected, weights, seeds, ROUGH_LLOYD_ITERATIONS, tol=0.0)
-        centers.append(found)
-        costs.append(float(weights @ sq_dist))
-    return centers, costs
-
-
-def _batched_rough_clusterings(
-    x: np.ndarray, weights: np.ndarray, k: int, restarts: int, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """_sequential_rough_clusterings with the restarts as a leading array axis: the same draws (each
-    restart's from the generator in turn), the same choices up to floating-point rounding. None if
-    a seeding runs out of distinct rows (the sequential one then stops early, and this cannot).
-    x must be near the origin (centered()).
-    """
-    n, trials = len(x), 2 + int(np.log(k))
-    draws = rng.random((restarts, 1 + trials * (k - 1)))  # restart r's draws, in the order kmeans_plusplus takes them
-    norms = np.einsum("ij,ij->i", x, x)
-    duplicate_below = DUPLICATE_TOLERANCE * float(np.max(norms))
-    rows = np.arange(restarts)
-    mass = np.cumsum(weights)
-    chosen = np.empty((restarts, k), dtype=np.int64)
-    chosen[:, 0] = np.minimum(np.searchsorted(mass, draws[:, 0] * mass[-1], side="right"), n - 1)
-    closest = np.maximum(norms[chosen[:, :1]] - 2.0 * (x[chosen[:, 0]] @ x.T) + norms[None, :], 0.0)
-    minus_twice_xt = -2.0 * x.T
-    running_out = duplicate_below * float(weights.sum())
-    for step in range(1, k):
-        cumulative = np.cumsum(weights * closest, axis=1)
-        # Every row within rounding of a seed (kmeans_plusplus's stop) leaves at most this potential.
-        if np.any(cumulative[:, -1] <= running_out):
-            return None
-        targets = draws[:, 1 + (step - 1) * trials : 1 + step * trials] * cumulative[:, -1:]
-        candidates = np.minimum([np.searchsorted(cumulative[r], targets[r], side="right") for r in rows], n - 1)
-        candidate_closest = x[candidates] @ minus_twice_xt
-        candidate_closest += norms[candidates][:, :, None]
-        candidate_closest += norms
-        np.maximum(candidate_closest, 0.0, out=candidate_closest)
-        np.minimum(candidate_closest, closest[:, None, :], out=candidate_closest)
-        best = np.argmin(candidate_closest @ weights, axis=1)
-        chosen[:, step] = candidates[rows, best]
-        closest = candidate_closest[rows, best]
-    centers = x[chosen]  # (restarts, k, p)
-    labels, sq_dist = nearest_with_norms(x, norms, centers)
-    for _ in range(ROUGH_LLOYD_ITERATIONS):
-        by_label = np.zeros((restarts, k, n))
-        by_label[rows[:, None], labels, np.arange(n)[None, :]] = weights
-        cluster_mass = by_label.sum(axis=2)
-        moved = cluster_mass > 0
-        centers = np.where(moved[:, :, None], (by_label @ x) / np.where(moved, cluster_mass, 1.0)[:, :, None], centers)
-        new_labels, sq_dist = nearest_with_norms(x, norms, centers)
-        unchanged = np.array_equal(new_labels, labels)
-        labels = new_labels
-        if unchanged:  # every restart has converged (one more round would change none of them)
-            break
-    return centers, sq_dist @ weights
+    return private_local_step(x, k, device_rng(params.seed, device), noise_rng(noise_key, device), params)
 
 
 def estimate_local_k(x: np.ndarray, k_max: int) -> int:
@@ -270,7 +506,7 @@ def estimate_local_k(x: np.ndarray, k_max: int) -> int:
     1 + the number of such directions, so it needs d >= k - 1 and roughly isotropic noise; on
     data with structure in many directions (images) it stays at k_max.
     """
-    distinct, counts = distinct_rows(x)
+    distinct, counts, _ = distinct_rows(x)
     if len(distinct) <= 2:
         return max(1, min(k_max, len(distinct)))
     mean = np.average(distinct, axis=0, weights=counts)

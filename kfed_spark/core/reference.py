@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kfed_spark.core.labels import LabelModel
 from kfed_spark.core.linalg import plain
 from kfed_spark.core.local_centers import LocalCenters
-from kfed_spark.core.local_step import device_local_step, estimate_local_k, shared_centers
+from kfed_spark.core.local_step import DevicesCenters, device_local_step, estimate_local_k, local_steps
 from kfed_spark.core.server_step import GlobalClusters, server_step
 from kfed_spark.params import DEFAULTS, AlgorithmParams
 
@@ -41,25 +40,25 @@ def local_clusterings(
         noise_key = secrets.randbits(128)
     order = np.argsort(devices, kind="stable")
     keys, starts = np.unique(devices[order], return_index=True)
-    ends = np.append(starts[1:], len(order))
-    results = []
-    for key, s, e in zip(keys, starts, ends):
-        rows = x[order[s:e]]
-        k_z = (
-            estimate_local_k(rows, min(params.largest_k, params.k_per_device_max))
-            if params.k_per_device == "auto"
-            else int(params.k_per_device)
+    bounds = np.append(starts, len(order))
+    rows = x[order]
+    if params.k_per_device == "auto":
+        k_max = min(params.largest_k, params.k_per_device_max)
+        ks = np.array([estimate_local_k(rows[s:e], k_max) for s, e in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
+    else:
+        ks = np.full(len(keys), int(params.k_per_device), dtype=np.int64)
+    if params.privacy_epsilon is None:
+        found = local_steps(rows, bounds, keys, ks, params)
+    else:
+        found = DevicesCenters.of_each(
+            [
+                device_local_step(rows[s:e], int(k), plain(key), params, noise_key)
+                for key, k, s, e in zip(keys, ks, bounds[:-1], bounds[1:])
+            ]
         )
-        found = device_local_step(rows, k_z, plain(key), params, noise_key)
-        results.append(shared_centers(found, params.min_center_points))
-    per_device = np.array([len(r.counts) for r in results])
-    return LocalCenters.of(
-        np.repeat(keys, per_device),
-        np.concatenate([np.arange(m) for m in per_device]),
-        np.concatenate([r.centers for r in results]),
-        np.concatenate([r.counts for r in results]),
-        np.concatenate([r.sse for r in results]),
-    )
+    found = found.shared_first(params.min_center_points)
+    every = LocalCenters.of(keys[found.owner], found.ids(), found.centers, found.counts, found.sse)
+    return every.held_back_from(params.min_center_points)
 
 
 def federated_kmeans(
@@ -79,9 +78,8 @@ def federated_kmeans(
     """
     local = local or local_clusterings(x, devices, params)
     server = server_step(local.centers, local.counts, local.devices, local.ids, params, initial)
-    model = LabelModel.build(  # a device whose every local center was too small to share: as an unseen one
-        local.devices, local.ids, local.centers, server.assignment, server.centers, params.label_mode, True
-    )
+    # a device whose every local center was too small to share: as an unseen one
+    model = local.label_model(server.assignment, server.centers, params.label_mode, label_unseen=True)
     local_labels = np.empty(len(x), dtype=np.int64)
     labels = np.empty(len(x), dtype=np.int64)
     for start in range(0, len(x), LABEL_CHUNK_ROWS):

@@ -146,7 +146,7 @@ def fit_checked(
             if where == "auto":
                 where = "distributed" if n_local > settings.algorithm.server_distributed_above else "driver"
         local = (
-            LocalCenters.from_arrow(frame.toArrow(), dim)
+            LocalCenters.from_arrow(frame.toArrow(), dim).held_back_from(settings.algorithm.min_center_points)
             if where == "driver" or settings.algorithm.k == "auto"
             else None
         )
@@ -217,13 +217,17 @@ def merged_on_driver(
 
 
 def merged_in_spark(frame: DataFrame, dim: int, params: AlgorithmParams) -> tuple[LocalCenters, GlobalClusters | None]:
-    """Alg. 2 with Spark doing the work (kfed_spark.spark.distributed); then the local centers come to the
-    driver with the global cluster each one took (None without any)."""
-    if frame.isEmpty():
+    """Alg. 2 with Spark doing the work (kfed_spark.spark.distributed) over the local centers that frame
+    holds of at least min_center_points rows; then the local centers come to the driver with the global
+    cluster each one took (None without any), and the held-back ones without."""
+    small = F.col("n_points") < params.min_center_points
+    shared = frame.filter(~small)
+    if shared.isEmpty():
         return None, None
-    merged = global_centers(frame, dim, params)
-    table = with_clusters(frame, merged.centers).toArrow()
-    local = LocalCenters.from_arrow(table.drop_columns(["cluster_id"]), dim)
+    merged = global_centers(shared, dim, params)
+    table = with_clusters(shared, merged.centers).toArrow()
+    held = LocalCenters.from_arrow(frame.filter(small).toArrow(), dim)
+    local = dataclasses.replace(LocalCenters.from_arrow(table.drop_columns(["cluster_id"]), dim), held_back=held)
     return local, GlobalClusters(merged.centers, table.column("cluster_id").to_numpy(), None, merged.refine_iterations)
 
 
@@ -321,12 +325,15 @@ def features_column(df: DataFrame, features: str | list[str]) -> Column:
 
 
 def collect_local_centers(valid: DataFrame, settings: FitSettings, dim: int, device_type) -> LocalCenters:
-    """Alg. 1 on every device in the executors; only the local centers come back to the driver."""
-    return LocalCenters.from_arrow(local_centers_frame(valid, settings, dim, device_type).toArrow(), dim)
+    """Alg. 1 on every device in the executors; only the local centers come back to the driver, those of
+    fewer than min_center_points rows held back (LocalCenters.held_back)."""
+    found = LocalCenters.from_arrow(local_centers_frame(valid, settings, dim, device_type).toArrow(), dim)
+    return found.held_back_from(settings.algorithm.min_center_points)
 
 
 def local_centers_frame(valid: DataFrame, settings: FitSettings, dim: int, device_type) -> DataFrame:
-    """Alg. 1 on every device, as a DataFrame of local centers (LOCAL_CENTER_COLUMNS)."""
+    """Alg. 1 on every device, as a DataFrame of local centers (LOCAL_CENTER_COLUMNS), those held back
+    (fewer than min_center_points rows) included."""
     fixed = not isinstance(settings.algorithm.k_per_device, str)
     spec = LocalStepSpec(
         settings.algorithm.k_per_device

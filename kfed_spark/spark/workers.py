@@ -14,10 +14,10 @@ import pyarrow as pa
 
 from kfed_spark.core.evaluation import EvaluationSpec, PartitionEvaluation
 from kfed_spark.core.labels import LabelModel
-from kfed_spark.core.linalg import device_rng, nearest_center
+from kfed_spark.core.linalg import device_rng, nearest_center, plain
 from kfed_spark.core.local_centers import feature_matrix, features_array
-from kfed_spark.core.local_step import DeviceCenters, device_local_step, estimate_local_k, shared_centers
-from kfed_spark.core.sampling import row_hashes, scale_counts, smallest_hashes
+from kfed_spark.core.local_step import DevicesCenters, device_local_step, estimate_local_k, local_steps
+from kfed_spark.core.sampling import row_hashes, smallest_hashes
 from kfed_spark.core.server_step import representatives
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
@@ -27,20 +27,6 @@ SQ_DIST_COL = "__kfed_sq_dist"
 
 EVALUATION_COL = "__kfed_evaluation"
 """Internal column: a partition's PartitionEvaluation (kfed_spark.core.evaluation) on its last labelled row."""
-
-LOCAL_OUTPUT_ROWS = 4096
-"""Local-center rows gathered before a batch is sent back to Spark."""
-
-
-def device_runs(devices: np.ndarray) -> Iterator[tuple[object, int, int]]:
-    """(device, start, end) for each run of equal consecutive device ids."""
-    if len(devices) == 0:
-        return
-    change = np.flatnonzero(devices[1:] != devices[:-1]) + 1
-    starts = np.concatenate([[0], change])
-    ends = np.concatenate([change, [len(devices)]])
-    for start, end in zip(starts, ends):
-        yield devices[start], int(start), int(end)
 
 
 @dataclass(frozen=True)
@@ -66,17 +52,18 @@ class LocalStepSpec:
 def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalStepSpec) -> Iterator[pa.RecordBatch]:
     """Run alg. 1 once per device over batches of (device, features) rows sorted by device.
 
-    A device's rows may span several batches and a batch may hold several devices: rows are
-    buffered until the device id changes. Rows with a null, NaN or infinite value are skipped.
-    A device with more than params.max_rows_per_device rows is clustered on a deterministic sample of that
-    many (_DeviceSample); the rest are only counted, and its centers report counts and SSE for
-    all of its rows.
-    Yields (device, local_cluster_id, center, n_points, sse).
+    A device's rows may span several batches and a batch may hold several devices. Whole devices are
+    gathered until they hold CLUSTER_ROWS rows, then clustered together (local_step.local_steps).
+    Rows with a null, NaN or infinite value are skipped. A device with more than
+    params.max_rows_per_device rows is clustered on a deterministic sample of that many
+    (_DeviceSample); the rest are only counted, and its centers report counts and SSE for all of its
+    rows. Yields (device, local_cluster_id, center, n_points, sse): every local center, those of
+    fewer than min_center_points rows last on their device (the driver holds them back, LocalCenters).
     """
     if spec.task_fault is not None:
         _task_fault(spec.task_fault)
-    out = _LocalCenterRows(spec.device_type)
-    device, device_k, sample, seen = None, spec.k, _DeviceSample(spec), 0
+    gathered = _GatheredDevices(spec)
+    open_device: _DeviceSample | None = None  # the last device seen, whose rows may go on in the next batch
     for batch in batches:
         devices = batch.column(0).to_numpy(zero_copy_only=False)
         x = feature_matrix(batch.column(1), spec.dim)
@@ -85,21 +72,34 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
         if not finite.all():  # the labelling pass quarantines these rows
             devices, x = devices[finite], x[finite]
             ks = ks[finite] if ks is not None else None
-        for run_device, start, end in device_runs(devices):
-            if seen and run_device != device:
-                out.add(device, _cluster(device, device_k, sample.rows(), seen, spec))
-                sample, seen = _DeviceSample(spec), 0
-            if not seen and ks is not None:
-                device_k = int(ks[start])
-            device = run_device
-            sample.add(x[start:end])
-            seen += end - start
-        if len(out) >= LOCAL_OUTPUT_ROWS:
-            yield out.flush()
-    if seen:
-        out.add(device, _cluster(device, device_k, sample.rows(), seen, spec))
-    if len(out):
-        yield out.flush()
+        if not len(devices):
+            continue
+        starts = np.concatenate([[0], np.flatnonzero(devices[1:] != devices[:-1]) + 1])
+        first_whole = 0
+        if open_device is not None and open_device.device == devices[0]:
+            open_device.add(x[: starts[1] if len(starts) > 1 else len(x)])
+            first_whole = 1
+        if open_device is not None and len(starts) > first_whole:
+            gathered.add_sample(open_device)
+            open_device = None
+        if len(starts) > first_whole:
+            whole, last = starts[first_whole:-1], int(starts[-1])
+            if len(whole):
+                gathered.add(
+                    x[whole[0] : last], np.diff(np.append(whole, last)), devices[whole], ks if ks is None else ks[whole]
+                )
+            open_device = _DeviceSample(spec, devices[last], spec.k if ks is None else int(ks[last]))
+            open_device.add(x[last:])
+        if gathered.rows >= CLUSTER_ROWS:
+            yield gathered.clustered()
+    if open_device is not None:
+        gathered.add_sample(open_device)
+    if gathered.rows:
+        yield gathered.clustered()
+
+
+CLUSTER_ROWS = 1 << 16
+"""Rows of whole devices a Python worker gathers before it clusters them together."""
 
 
 class _DeviceSample:
@@ -107,15 +107,17 @@ class _DeviceSample:
     with the smallest seeded row hashes: the same sample whatever order the rows arrive in, held
     in at most twice that many rows."""
 
-    def __init__(self, spec: LocalStepSpec):
+    def __init__(self, spec: LocalStepSpec, device: object, k: int):
         self.limit, self.seed = spec.params.max_rows_per_device, spec.params.seed
+        self.device, self.k = device, k
         self.parts: list[np.ndarray] = []
-        self.held = 0
+        self.held = self.seen = 0
         self.hashes: np.ndarray | None = None  # set once the device outgrows the limit
 
     def add(self, x: np.ndarray) -> None:
         self.parts.append(x)
         self.held += len(x)
+        self.seen += len(x)
         if self.held > 2 * self.limit:
             self._shrink()
 
@@ -133,6 +135,56 @@ class _DeviceSample:
         return self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
 
 
+class _GatheredDevices:
+    """Whole devices' rows, gathered to be clustered together: runs of rows, each device's size, id, k
+    and how many rows it had (more than its size where it was sampled)."""
+
+    def __init__(self, spec: LocalStepSpec):
+        self.spec = spec
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.rows = 0
+
+    def add(self, x: np.ndarray, sizes: np.ndarray, devices: np.ndarray, ks: np.ndarray | None) -> None:
+        """Whole devices, rows x device after device; any over max_rows_per_device is sampled."""
+        ks = np.full(len(sizes), self.spec.k) if ks is None else ks.astype(np.int64)
+        over = np.flatnonzero(sizes > self.spec.params.max_rows_per_device)
+        if len(over):
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            for i in over:
+                sample = _DeviceSample(self.spec, devices[i], int(ks[i]))
+                sample.add(x[starts[i] : starts[i] + sizes[i]])
+                self.add_sample(sample)
+            keep = np.ones(len(sizes), dtype=bool)
+            keep[over] = False
+            x = x[np.repeat(keep, sizes)]
+            sizes, devices, ks = sizes[keep], devices[keep], ks[keep]
+        self.parts.append((x, sizes, devices, ks, sizes))
+        self.rows += len(x)
+
+    def add_sample(self, sample: _DeviceSample) -> None:
+        x = sample.rows()
+        self.parts.append(
+            (x, np.array([len(x)]), np.array([sample.device]), np.array([sample.k]), np.array([sample.seen]))
+        )
+        self.rows += len(x)
+
+    def clustered(self) -> pa.RecordBatch:
+        """The local centers of every device gathered, as (device, local_cluster_id, center, n_points, sse)."""
+        x, sizes, devices, ks, seen = (np.concatenate([part[i] for part in self.parts]) for i in range(5))
+        self.parts, self.rows = [], 0
+        found = _cluster(x, sizes, devices, ks, seen, self.spec).shared_first(self.spec.params.min_center_points)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(devices[found.owner], type=self.spec.device_type),
+                pa.array(found.ids(), type=pa.int32()),
+                features_array(found.centers),
+                pa.array(found.counts, type=pa.int64()),
+                pa.array(found.sse, type=pa.float64()),
+            ],
+            names=LOCAL_CENTER_COLUMNS,
+        )
+
+
 def _task_fault(fault: str) -> None:
     """Test-only faults (kfed_spark.runtime.fault_injection): fail a task's first attempt (Spark must retry it), or
     stall the task (a run that SIGTERM must stop)."""
@@ -145,50 +197,24 @@ def _task_fault(fault: str) -> None:
         raise RuntimeError(f"injected failure in the first attempt of local-step task {context.partitionId()}")
 
 
-def _cluster(device: object, k: int, x: np.ndarray, seen: int, spec: LocalStepSpec) -> DeviceCenters:
+def _cluster(
+    x: np.ndarray, sizes: np.ndarray, devices: np.ndarray, ks: np.ndarray, seen: np.ndarray, spec: LocalStepSpec
+) -> DevicesCenters:
+    """The local step on whole devices (rows x device after device, sizes[i] of device i, which had seen[i]
+    rows before any sampling): every local center, counts and SSE for all of a device's rows."""
+    starts = np.append(0, np.cumsum(sizes))
     if spec.k_source == "auto":
-        k = estimate_local_k(x, spec.k)
-    result = device_local_step(x, k, device, spec.params, spec.noise_key)
-    if seen != len(x) and spec.noise_key is None:
-        # clustered on a sample: the counts and SSE of all its rows (a private device shares its sample's noisy
-        # counts instead: its number of rows is not released)
-        result = DeviceCenters(result.centers, scale_counts(result.counts, seen), result.sse * (seen / len(x)))
-    return shared_centers(result, spec.params.min_center_points)
-
-
-class _LocalCenterRows:
-    def __init__(self, device_type: pa.DataType):
-        self.device_type = device_type
-        self._reset()
-
-    def _reset(self) -> None:
-        self.devices, self.ids, self.centers, self.counts, self.sse = [], [], [], [], []
-
-    def __len__(self) -> int:
-        return len(self.devices)
-
-    def add(self, device: object, result) -> None:
-        m = len(result.counts)
-        self.devices.extend([device] * m)
-        self.ids.extend(range(m))
-        self.centers.append(result.centers)
-        self.counts.append(result.counts)
-        self.sse.append(result.sse)
-
-    def flush(self) -> pa.RecordBatch:
-        centers = np.concatenate(self.centers)
-        batch = pa.RecordBatch.from_arrays(
+        ks = np.array([estimate_local_k(x[s:e], spec.k) for s, e in zip(starts[:-1], starts[1:])], dtype=np.int64)
+    if spec.noise_key is not None:
+        # a private device shares its sample's noisy counts: its number of rows is not released
+        return DevicesCenters.of_each(
             [
-                pa.array(self.devices, type=self.device_type),
-                pa.array(self.ids, type=pa.int32()),
-                features_array(centers),
-                pa.array(np.concatenate(self.counts), type=pa.int64()),
-                pa.array(np.concatenate(self.sse), type=pa.float64()),
-            ],
-            names=LOCAL_CENTER_COLUMNS,
+                device_local_step(x[s:e], int(k), plain(device), spec.params, spec.noise_key)
+                for device, k, s, e in zip(devices, ks, starts[:-1], starts[1:])
+            ]
         )
-        self._reset()
-        return batch
+    found = local_steps(x, starts, devices, ks, spec.params)
+    return found.with_counts_of(seen, sizes) if np.any(seen != sizes) else found
 
 
 def representatives_from_batches(

@@ -4,6 +4,7 @@ estimator saved a KFedModel. `assign`, `stream` and KFedModel.from_run read mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -38,6 +39,9 @@ class StoredModel:
 
     origin says where it came from: the run id, or `model:<folder>` for a saved KFedModel. config is
     the run's configuration (its runs row); None for a saved KFedModel, whose params are its own.
+    held_back: the local centers the fit held back (LocalCenters.held_back), kept by a model fitted in
+    this session and never written: a model read from a run or a folder labels the rows they stood for
+    through their device's nearest shared center.
     """
 
     centers: np.ndarray
@@ -47,6 +51,7 @@ class StoredModel:
     origin: str
     config: dict | None = None
     attempt_id: str | None = None  # the run's attempt the model is of; None for a saved KFedModel
+    held_back: LocalCenters | None = None
 
     @classmethod
     def of(
@@ -57,6 +62,7 @@ class StoredModel:
         origin: str,
         config: dict | None = None,
         attempt_id: str | None = None,
+        held_back: LocalCenters | None = None,
     ) -> "StoredModel":
         """From centers with their ids and local centers (LOCAL_CENTER_COLUMNS plus their cluster_id)."""
         order = np.argsort(cluster_ids, kind="stable")
@@ -70,6 +76,7 @@ class StoredModel:
             origin,
             config,
             attempt_id,
+            held_back,
         )
 
     @property
@@ -89,9 +96,8 @@ class StoredModel:
         return LocalCenters.from_arrow(self.local, self.dim).sweep(ks, params)
 
     def label_model(self, label_mode: str, label_unseen: bool = False) -> LabelModel:
-        return LocalCenters.from_arrow(self.local, self.dim).label_model(
-            self.assignment, self.centers, label_mode, label_unseen, self.cluster_ids
-        )
+        local = dataclasses.replace(LocalCenters.from_arrow(self.local, self.dim), held_back=self.held_back)
+        return local.label_model(self.assignment, self.centers, label_mode, label_unseen, self.cluster_ids)
 
 
 def newest_run_id(tables: OutputTables) -> str:

@@ -113,8 +113,8 @@ COLUMN_COMMENTS = {
     "n_devices": "devices",
     "n_local_centers": "local centers the devices shared",
     "min_center_points": "fewest rows a shared local center stands for; null in rows of older versions",
-    "n_rows_held_back": "rows of local clusters too small to share (min_center_points), labelled through the "
-    "device's nearest shared center or the nearest global one; null for a run that takes a model, and with "
+    "n_rows_held_back": "rows of local clusters too small to share (min_center_points), labelled with the "
+    "nearest global center and no local cluster; null for a run that takes a model, and with "
     "privacy_epsilon (the shared counts are noisy)",
     "n_devices_held_back": "devices that shared no local center: their rows took the nearest global center; null "
     "for a run that takes a model",
