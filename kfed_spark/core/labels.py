@@ -5,6 +5,7 @@ may be strings).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,11 +97,16 @@ class LabelModel:
             None if cluster_ids is None else np.asarray(cluster_ids, dtype=np.int64),
         )
 
+    @functools.cached_property
+    def device_index(self) -> pd.Index:
+        """The devices' hash index, built once per model (a worker labels many batches with one model)."""
+        return pd.Index(self.devices)
+
     def label(self, devices: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(local_cluster_id, cluster_id, squared distance to the global center, margin) per row; the
         cluster ids are cluster_ids' (positions of the global centers without them)."""
         x = x - self.origin
-        slots = pd.Index(self.devices).get_indexer(devices)
+        slots = self.device_index.get_indexer(devices)
         unseen = slots < 0
         if np.any(unseen) and not self.label_unseen:
             raise ValueError(f"device {plain(devices[np.flatnonzero(unseen)[0]])!r} has no local centers in this model")

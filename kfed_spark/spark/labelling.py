@@ -14,10 +14,10 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.functions import arrow_udf
 from pyspark.sql.types import (
-    BinaryType,
     BooleanType,
     DoubleType,
     IntegerType,
+    StringType,
     StructField,
     StructType,
 )
@@ -39,7 +39,7 @@ LABELS_TYPE = StructType(
     [
         StructField(name, kind, True)
         for name, kind in zip(
-            LABEL_FIELDS, [IntegerType(), IntegerType(), DoubleType(), DoubleType(), BooleanType(), BinaryType()]
+            LABEL_FIELDS, [IntegerType(), IntegerType(), DoubleType(), DoubleType(), BooleanType(), StringType()]
         )
     ]
 )

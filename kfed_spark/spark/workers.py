@@ -291,16 +291,16 @@ def label_arrays(
             pa.array(non_finite),
         ]
     if held is not None:
-        yield _labels(held, None if gathered is None else gathered.to_bytes())
+        yield _labels(held, None if gathered is None else gathered.to_text())
 
 
-def _labels(fields: list[pa.Array], blob: bytes | None) -> pa.StructArray:
+def _labels(fields: list[pa.Array], blob: str | None) -> pa.StructArray:
     """A batch's label fields with EVALUATION_COL, holding blob (if any) on its last row."""
     n = len(fields[0])
     blobs = (
-        pa.nulls(n, pa.binary())
+        pa.nulls(n, pa.string())
         if blob is None
-        else pa.concat_arrays([pa.nulls(n - 1, pa.binary()), pa.array([blob], type=pa.binary())])
+        else pa.concat_arrays([pa.nulls(n - 1, pa.string()), pa.array([blob], type=pa.string())])
     )
     return pa.StructArray.from_arrays([*fields, blobs], names=list(LABEL_FIELDS))
 
