@@ -41,6 +41,20 @@ def test_python_workers_get_one_blas_thread(spark):
     assert seen == [{name: "1" for name in names}]
 
 
+@pytest.mark.spark
+def test_a_session_writes_a_partition_without_sorting_its_rows_first(spark, tmp_path):
+    """Every write of a run is one (run_id, attempt_id) partition: rows go through an open file per
+    partition, and a task that meets several partitions still writes each whole."""
+    from kfed_spark.spark.session import UNSORTED_PARTITION_WRITES
+
+    for key, value in UNSORTED_PARTITION_WRITES.items():
+        assert spark.conf.get(key) == value
+    rows = spark.range(0, 1000, numPartitions=2).selectExpr("id", "CAST(id % 7 AS STRING) AS part")
+    rows.write.format("delta").partitionBy("part").save(str(tmp_path / "seven"))
+    back = spark.read.format("delta").load(str(tmp_path / "seven"))
+    assert back.count() == 1000 and back.select("part").distinct().count() == 7
+
+
 @pytest.mark.fast
 def test_a_local_session_starts_from_the_class_archive_unless_told_otherwise(tmp_path, monkeypatch):
     from kfed_spark.spark.session import DRIVER_DEFAULT_JAVA_OPTIONS, JVM_ARCHIVE_ENV, with_jvm_archive
