@@ -68,6 +68,8 @@ def test_the_fresh_process_benchmark_times_each_contender_as_its_own_process(tmp
     )
 
     saved = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
+    assert set(saved) == {"given"}  # --data: the table given, not the generated shapes
+    saved = saved["given"]
     assert set(saved) == {"fresh"}
     fresh = saved["fresh"]
     assert fresh["rows"] == 1200 and [run["name"] for run in fresh["runs"]] == [
@@ -93,8 +95,8 @@ def test_the_fresh_process_benchmark_times_each_contender_as_its_own_process(tmp
         "k sweep of 59 ks / one MLlib read and fit at k = 6, wall time",
     }
     assert sweep["stages"]["server steps and figures"] > 0 and "the input's true k is 6" in fresh["notes"][-1]
-    assert "## Fresh processes" in capsys.readouterr().out
-    runs = tmp_path / "bench" / "fresh" / "kfed" / "runs"
+    assert "### Fresh processes" in capsys.readouterr().out
+    runs = tmp_path / "bench" / "given" / "fresh" / "kfed" / "runs"
     assert runs.is_dir()  # the setup run created the location the timed run wrote into
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kfed_spark.bench.pages import command_line, page, write_page
+from kfed_spark.bench.pages import FRESH_SECTION, WARM_SECTION, command_line, page, write_page
 from kfed_spark.config import QUIET_LOCAL_SPARK
 from kfed_spark.errors import KFedError
 
@@ -62,11 +62,20 @@ def add_bench(commands, result_page: argparse.ArgumentParser) -> None:
         "bench",
         parents=[result_page],
         help="time k-FED on Spark against MLlib KMeans and Spark's bare passes, each as a fresh process, "
-        "then in one warm session with a no-Spark floor and scikit-learn",
+        "then in one warm session with a no-Spark floor and scikit-learn, on each shape of table",
     )
-    bench.add_argument("--data", help="a generated mixture (Parquet); default: generate one into --out")
+    bench.add_argument(
+        "--shape",
+        action="append",
+        choices=sorted(BENCH_SHAPES),
+        help="a generated shape of table (repeat for several; default: every one): "
+        + "; ".join(f"{name}: {describe_shape(shape)}" for name, shape in BENCH_SHAPES.items()),
+    )
+    bench.add_argument(
+        "--data", help="a generated mixture (Parquet) to time instead of the shapes; give its --k and --k-per-device"
+    )
     bench.add_argument("--out", default="kfed-bench", help="folder for the data, the tables and the report")
-    add_mixture_arguments(bench)
+    add_mixture_arguments(bench, defaults=None)
     bench.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
     bench.add_argument("--driver-memory", default="2g", help="Spark driver memory (default 2g)")
     bench.add_argument("--no-sklearn", action="store_true", help="skip scikit-learn (it holds all rows in memory)")
@@ -85,6 +94,22 @@ def add_bench(commands, result_page: argparse.ArgumentParser) -> None:
         help="stop MLlib's fit after this long and report its time as a lower bound (default: none)",
     )
     bench.set_defaults(handler=command_bench)
+
+
+BENCH_SHAPES = {
+    "few-large-devices": {"k": 64, "k_per_device": 8, "devices": 1000, "points_per_device": 500, "dim": 32},
+    "many-small-devices": {"k": 32, "k_per_device": 2, "devices": 100_000, "points_per_device": 10, "dim": 16},
+}
+"""The shapes `kfed-spark bench` times: a thousand devices of 500 rows (clusters that each device sees
+well), and the paper's setting, a hundred thousand phones of ten rows from two clusters each."""
+
+
+def describe_shape(shape: dict) -> str:
+    """A shape of table in words: devices x rows, d, k, clusters per device."""
+    return (
+        f"{shape['devices']:,} devices x {shape['points_per_device']:,} rows, d = {shape['dim']}, k = {shape['k']}, "
+        f"{shape['k_per_device']} clusters per device"
+    )
 
 
 def add_bench_quality(commands, real_data: argparse.ArgumentParser, result_page: argparse.ArgumentParser) -> None:
@@ -143,13 +168,29 @@ def add_bench_server(commands) -> None:
     server.set_defaults(handler=command_bench_server)
 
 
-def add_mixture_arguments(parser: argparse.ArgumentParser) -> None:
-    """The shape of a generated mixture; k and k-per-device are also what the benchmark clusters with."""
-    parser.add_argument("--k", type=int, default=64, help="clusters in the mixture (default 64)")
-    parser.add_argument("--k-per-device", type=int, default=8, help="clusters each device holds (default 8)")
-    parser.add_argument("--devices", type=int, default=1000, help="number of devices (default 1000)")
-    parser.add_argument("--points-per-device", type=int, default=500, help="rows per device (default 500)")
-    parser.add_argument("--dim", type=int, default=32, help="number of features (default 32)")
+def add_mixture_arguments(parser: argparse.ArgumentParser, defaults: dict | None = BENCH_SHAPES["few-large-devices"]):
+    """The shape of a generated mixture; k and k-per-device are also what the benchmark clusters with.
+    Without defaults, each one given replaces the value of every shape the benchmark generates."""
+
+    def default(name: str) -> str:
+        return f"(default {defaults[name]})" if defaults else "(default: each shape's)"
+
+    pick = (lambda name: defaults[name]) if defaults else (lambda name: None)
+    parser.add_argument("--k", type=int, default=pick("k"), help=f"clusters in the mixture {default('k')}")
+    parser.add_argument(
+        "--k-per-device",
+        type=int,
+        default=pick("k_per_device"),
+        help=f"clusters each device holds {default('k_per_device')}",
+    )
+    parser.add_argument("--devices", type=int, default=pick("devices"), help=f"number of devices {default('devices')}")
+    parser.add_argument(
+        "--points-per-device",
+        type=int,
+        default=pick("points_per_device"),
+        help=f"rows per device {default('points_per_device')}",
+    )
+    parser.add_argument("--dim", type=int, default=pick("dim"), help=f"number of features {default('dim')}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and of every method (default 0)")
     parser.add_argument(
         "--wide",
@@ -177,32 +218,51 @@ def command_bench(args: argparse.Namespace) -> int:
     if not args.no_sklearn and not args.no_warm:
         require_sklearn("bench", "or pass --no-sklearn")
     out = Path(args.out).resolve()
-    data = args.data
-    if data is None:
-        data = str(out / "input")
-        write_mixture(data, **mixture_shape(args))
     command = command_line("bench")
-    fresh = benchmark_fresh(
-        data, out / "fresh", args.k, args.k_per_device, args.seed, command, args.master, args.driver_memory
-    )
-    sections = ["## Fresh processes, as spark-submit, Airflow and cron run each contender", "", fresh.markdown()]
-    saved = {"fresh": asdict(fresh)}
-    if not args.no_warm:
-        spark = bench_session("kfed-spark-bench", args.driver_memory, args.master)
-        warm = benchmark(
-            spark,
-            data,
-            out / "warm",
-            args.k,
-            args.k_per_device,
+    given = {name: value for name, value in mixture_shape(args).items() if value is not None}
+    if args.data is not None:
+        if "k" not in given or "k_per_device" not in given:
+            raise KFedError("bench --data needs the table's --k and --k-per-device")
+        shapes = {"given": given}
+    else:
+        shapes = {name: {**BENCH_SHAPES[name], **given} for name in args.shape or BENCH_SHAPES}
+    inputs, saved = {}, {}
+    for name, shape in shapes.items():  # every shape's fresh processes first, with no other JVM alive
+        inputs[name] = args.data or str(out / name / "input")
+        if args.data is None:
+            write_mixture(inputs[name], **{"seed": args.seed, "wide": args.wide, **shape})
+        fresh = benchmark_fresh(
+            inputs[name],
+            out / name / "fresh",
+            shape["k"],
+            shape["k_per_device"],
             args.seed,
             command,
-            not args.no_sklearn,
-            args.repeats,
-            args.mllib_limit,
+            args.master,
+            args.driver_memory,
         )
-        sections += ["## One warm session (JVM, Python workers and output tables warmed up first)", "", warm.markdown()]
-        saved["warm"] = asdict(warm)
+        saved[name] = {"fresh": fresh}
+    spark = None if args.no_warm else bench_session("kfed-spark-bench", args.driver_memory, args.master)
+    sections = []
+    for name, shape in shapes.items():
+        title = name if args.data is not None else f"{name}: {describe_shape(shape)}"
+        sections += [f"## {title}", "", FRESH_SECTION, "", saved[name]["fresh"].markdown()]
+        if spark is not None:
+            warm = benchmark(
+                spark,
+                inputs[name],
+                out / name / "warm",
+                shape["k"],
+                shape["k_per_device"],
+                args.seed,
+                command,
+                not args.no_sklearn,
+                args.repeats,
+                args.mllib_limit,
+            )
+            sections += [WARM_SECTION, "", warm.markdown()]
+            saved[name]["warm"] = warm
+    saved = {name: {table: asdict(report) for table, report in tables.items()} for name, tables in saved.items()}
     (out / "benchmark.json").write_text(json.dumps(saved, indent=2))
     text = page("Speed: k-FED against MLlib KMeans and Spark's bare passes", "\n".join(sections), command)
     write_page(text, page_targets(out / "benchmark.md", args.page))

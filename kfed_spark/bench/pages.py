@@ -21,7 +21,8 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 """The source checkout this package runs from (when it runs from one)."""
 README = REPOSITORY / "README.md"
 SPEED_PAGE = REPOSITORY / "docs" / "benchmarks" / "speed.md"
-FRESH_SECTION = "## Fresh processes"
+FRESH_SECTION = "### Fresh processes, as spark-submit, Airflow and cron run each contender"
+WARM_SECTION = "### One warm session (JVM, Python workers and output tables warmed up first)"
 PROVENANCE_ROW = re.compile(r"^\| (command|commit|date|machine|Java|Spark, Delta|Python, numpy) \| (.+) \|$", re.M)
 """A row of a page's provenance table (provenance() writes them)."""
 
@@ -120,11 +121,15 @@ def command_line(command: str) -> str:
 
 
 def headline(speed_page: str) -> str:
-    """The speed page's fresh-process tables (contenders, then ratios), under the commit, date and machine."""
+    """Each shape's fresh-process tables on the speed page (contenders, then ratios), under the shape and
+    the commit, date and machine."""
     stamp = dict(PROVENANCE_ROW.findall(speed_page))
-    fresh = speed_page[speed_page.index(FRESH_SECTION) :]
-    tables = re.findall(r"(?:^\|.*\|\n)+", fresh, re.M)[:2]
-    return f"{stamp['date']}, commit {stamp['commit']}, {stamp['machine']}:\n\n" + "\n".join(tables)
+    parts = [f"{stamp['date']}, commit {stamp['commit']}, {stamp['machine']}:\n"]
+    for section in re.split(r"^## ", speed_page, flags=re.M)[1:]:
+        shape = section.splitlines()[0]
+        fresh = section[section.index(FRESH_SECTION) :].split(WARM_SECTION)[0]
+        parts.append(f"**{shape}**\n\n" + "\n".join(re.findall(r"(?:^\|.*\|\n)+", fresh, re.M)[:2]))
+    return "\n".join(parts)
 
 
 def rewritten_block(text: str, block: str, content: str) -> str:

@@ -25,7 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import yaml
 
-from kfed_spark.bench.benchmark import BENCH_SPARK_CONF, memory_roles
+from kfed_spark.bench.benchmark import BENCH_SPARK_CONF, memory_roles, planted
 from kfed_spark.bench.contenders import MLLIB_LABELS
 from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.errors import KFedError
@@ -36,6 +36,8 @@ PASSES = "Spark's bare passes of k-FED's shape, no clustering"
 SWEEP = "k sweep: kfed-spark choose-k over the k-FED run's local centers"
 SWEEP_KS = (2, 100)
 """The ks the benchmark's sweep covers (at most as many as the run has local centers)."""
+SWEEP_MAX_CENTERS = 50_000
+"""The benchmark sweeps k over a run of at most this many local centers (the sweep's time grows with them)."""
 SETUP_DEVICES = 50
 """Devices of the input slice the setup run clusters, to create the location the timed run writes into."""
 
@@ -61,6 +63,8 @@ class FreshReport:
     runs: list[ProcessRun]
     ratios: dict[str, float]
     command: str
+    planted_cost: float
+    """The k-means cost of the planted clusters (each row at its true cluster's mean)."""
     notes: list[str] = field(default_factory=list)
 
     def markdown(self) -> str:
@@ -68,15 +72,15 @@ class FreshReport:
             f"{self.rows:,} rows, {self.devices:,} devices, d = {self.dim}, k = {self.k}, {self.k_per_device} "
             f"clusters per device; each contender a fresh process, one run each; `{self.command}`",
             "",
-            "| contender (fresh process) | seconds | k-means cost | ARI "
+            "| contender (fresh process) | seconds | k-means cost | cost / planted | ARI vs planted "
             "| peak memory MB: driver, JVM, largest worker |",
-            "| --- | ---: | ---: | ---: | --- |",
+            "| --- | ---: | ---: | ---: | ---: | --- |",
         ]
         for run in self.runs:
             memory = ", ".join(f"{run.peak_memory_mb.get(role, 0):,.0f}" for role in ROLES)
-            cost = "" if run.cost is None else f"{run.cost:.6g}"
+            cost = "" if run.cost is None else f"{run.cost:.6g} | {run.cost / self.planted_cost:.4f}"
             ari = "" if run.ari is None else f"{run.ari:.4f}"
-            lines.append(f"| {run.name} | {run.seconds:.2f} | {cost} | {ari} | {memory} |")
+            lines.append(f"| {run.name} | {run.seconds:.2f} | {cost or ' | '} | {ari} | {memory} |")
         lines += ["", "| ratio (fresh processes) | value |", "| --- | ---: |"]
         lines += [f"| {name} | {value:.2f} |" for name, value in self.ratios.items()]
         for run in self.runs:
@@ -293,24 +297,36 @@ def benchmark_fresh(
     """Each contender as a process of its own, one after the other, on the same input."""
     setup, rows, devices, dim = fresh_setup(data, out, k, k_per_device, seed, master, driver_memory)
     kfed_run, result = time_kfed(setup)
-    sweep_run, swept, top = time_sweep(setup, result)
+    sweeps = result["n_local_centers"] <= SWEEP_MAX_CENTERS
+    if sweeps:
+        sweep_run, swept, top = time_sweep(setup, result)
     shutil.rmtree(out / MLLIB_LABELS, ignore_errors=True)
     mllib_run = time_contender(setup, "MLlib", "mllib", out / MLLIB_LABELS)
     passes_run = time_contender(setup, "bare passes", "passes")
     ratios = {
         "MLlib / k-FED, wall time": mllib_run.seconds / kfed_run.seconds,
-        f"k sweep of {top - SWEEP_KS[0] + 1} ks / one MLlib read and fit at k = {k}, wall time": sweep_run.seconds
-        / mllib_run.stages["read and fit"],
         "k-FED / Spark's bare passes, wall time": kfed_run.seconds / passes_run.seconds,
         "k-FED cost / MLlib cost": kfed_run.cost / mllib_run.cost,
     }
     notes = [
         f"Each process was started by this benchmark ({sys.executable}), one after the other, after reading the "
-        "input once into the file cache; peak memory is sampled every 0.25 s over the process tree.",
-        f"The k sweep recommended k = {swept['recommended_k']} ({swept['rule']}); the input's true k is {k}.",
+        "input once into the file cache; peak memory is sampled every 0.25 s over the process tree."
     ]
-    runs = [kfed_run, sweep_run, mllib_run, passes_run]
-    return FreshReport(rows, devices, dim, k, k_per_device, runs, ratios, command, notes)
+    runs = [kfed_run, mllib_run, passes_run]
+    if sweeps:
+        ratios[f"k sweep of {top - SWEEP_KS[0] + 1} ks / one MLlib read and fit at k = {k}, wall time"] = (
+            sweep_run.seconds / mllib_run.stages["read and fit"]
+        )
+        notes.append(
+            f"The k sweep recommended k = {swept['recommended_k']} ({swept['rule']}); the input's true k is {k}."
+        )
+        runs.insert(1, sweep_run)
+    else:
+        notes.append(
+            f"No k sweep: the run shared {result['n_local_centers']:,} local centers, more than the "
+            f"{SWEEP_MAX_CENTERS:,} this benchmark sweeps."
+        )
+    return FreshReport(rows, devices, dim, k, k_per_device, runs, ratios, command, planted(data)[3], notes)
 
 
 JOB_STAGES = (
