@@ -145,6 +145,8 @@ def local_steps(
     d = x.shape[1]
     for bucket, bucket_end in zip(bucket_starts, np.append(bucket_starts[1:], len(many))):
         k, width = int(ks[many[bucket]]), int(widths[bucket])
+        # The largest arrays of a block: its rows (B, P, d), and per restart a row's distance to each
+        # center (B, restarts, k, P) or to each seeding candidate (2 + log k of them, fewer than k + 4).
         per_block = max(1, BATCH_ELEMENTS // (width * max(d, (k + 4) * params.local_restarts)))
         for start in range(bucket, bucket_end, per_block):
             members = many[start : min(start + per_block, bucket_end)]
@@ -159,7 +161,8 @@ def local_steps(
 
 
 BATCH_ELEMENTS = 1 << 19
-"""Devices are clustered together in blocks of at most this many padded values per array (16 MiB)."""
+"""Devices are clustered together in blocks of at most this many values per array (4 MiB): large enough
+that a block's numpy calls cost little per device, small enough that its arrays stay near the cache."""
 
 
 def padded_rows(sizes: np.ndarray) -> np.ndarray:
