@@ -172,25 +172,21 @@ def add_mixture_arguments(parser: argparse.ArgumentParser, defaults: dict | None
     """The shape of a generated mixture; k and k-per-device are also what the benchmark clusters with.
     Without defaults, each one given replaces the value of every shape the benchmark generates."""
 
-    def default(name: str) -> str:
-        return f"(default {defaults[name]})" if defaults else "(default: each shape's)"
-
-    pick = (lambda name: defaults[name]) if defaults else (lambda name: None)
-    parser.add_argument("--k", type=int, default=pick("k"), help=f"clusters in the mixture {default('k')}")
-    parser.add_argument(
-        "--k-per-device",
-        type=int,
-        default=pick("k_per_device"),
-        help=f"clusters each device holds {default('k_per_device')}",
+    shape = (
+        ("k", "clusters in the mixture"),
+        ("k_per_device", "clusters each device holds"),
+        ("devices", "number of devices"),
+        ("points_per_device", "rows per device"),
+        ("dim", "number of features"),
     )
-    parser.add_argument("--devices", type=int, default=pick("devices"), help=f"number of devices {default('devices')}")
-    parser.add_argument(
-        "--points-per-device",
-        type=int,
-        default=pick("points_per_device"),
-        help=f"rows per device {default('points_per_device')}",
-    )
-    parser.add_argument("--dim", type=int, default=pick("dim"), help=f"number of features {default('dim')}")
+    unset = "each shape's own"
+    for name, meaning in shape:
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=defaults[name] if defaults else None,
+            help=f"{meaning} (default {defaults[name] if defaults else unset})",
+        )
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and of every method (default 0)")
     parser.add_argument(
         "--wide",

@@ -75,21 +75,19 @@ def local_centers_from_batches(batches: Iterator[pa.RecordBatch], spec: LocalSte
         if not len(devices):
             continue
         starts = np.concatenate([[0], np.flatnonzero(devices[1:] != devices[:-1]) + 1])
-        first_whole = 0
+        ends = np.append(starts[1:], len(devices))
         if open_device is not None and open_device.device == devices[0]:
-            open_device.add(x[: starts[1] if len(starts) > 1 else len(x)])
-            first_whole = 1
-        if open_device is not None and len(starts) > first_whole:
+            open_device.add(x[: ends[0]])
+            starts, ends = starts[1:], ends[1:]
+        if not len(starts):
+            continue  # the whole batch went on the open device
+        if open_device is not None:
             gathered.add_sample(open_device)
-            open_device = None
-        if len(starts) > first_whole:
-            whole, last = starts[first_whole:-1], int(starts[-1])
-            if len(whole):
-                gathered.add(
-                    x[whole[0] : last], np.diff(np.append(whole, last)), devices[whole], ks if ks is None else ks[whole]
-                )
-            open_device = _DeviceSample(spec, devices[last], spec.k if ks is None else int(ks[last]))
-            open_device.add(x[last:])
+        whole = starts[:-1]  # every run but the last is a whole device; the last may go on in the next batch
+        if len(whole):
+            gathered.add(x[whole[0] : starts[-1]], ends[:-1] - whole, devices[whole], None if ks is None else ks[whole])
+        open_device = _DeviceSample(spec, devices[starts[-1]], spec.k if ks is None else int(ks[starts[-1]]))
+        open_device.add(x[starts[-1] :])
         if gathered.rows >= CLUSTER_ROWS:
             yield gathered.clustered()
     if open_device is not None:
