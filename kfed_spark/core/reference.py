@@ -35,7 +35,9 @@ def local_clusterings(
 ) -> LocalCenters:
     """Alg. 1 on every device's rows, with params' k_per_device (a number or "auto": each device's
     estimate_local_k, at most min(largest_k, k_per_device_max)), local_restarts, max_iter, tol and seed;
-    with privacy_epsilon set, the private local step with noise from noise_key (or a fresh one)."""
+    with privacy_epsilon set, the private local step with noise from noise_key (or a fresh one). The
+    centers of fewer than min_center_points rows come back held back (LocalCenters.held_back), as the
+    Spark job's driver holds them."""
     if params.privacy_epsilon is not None and noise_key is None:
         noise_key = secrets.randbits(128)
     order = np.argsort(devices, kind="stable")
