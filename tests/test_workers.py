@@ -46,6 +46,27 @@ def test_devices_spanning_batches_are_clustered_once_on_all_their_rows(device_ty
         assert mine.column("local_cluster_id").to_pylist() == list(range(len(expected.counts)))
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_local_centers_do_not_depend_on_where_the_batches_and_the_clustering_chunks_cut(seed, monkeypatch):
+    """Devices of 1 to 60 rows cut into batches of random sizes (a batch inside one device, a batch that
+    ends where a device does) and clustered in chunks of a few hundred rows: the same centers as one
+    batch holding everything."""
+    import kfed_spark.spark.workers as workers
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 61, size=80)
+    devices = np.repeat(np.arange(80), sizes)
+    x = rng.normal(size=(len(devices), 3)) + rng.normal(0, 6, size=(len(devices), 1))
+    spec = LocalStepSpec(k=3, params=AlgorithmParams(k=3, seed=seed), dim=3, device_type=pa.int64())
+    whole = pa.Table.from_batches(list(local_centers_from_batches(iter([rows_batch(devices, x)]), spec)))
+    cuts = np.unique(np.concatenate([rng.integers(1, len(x), size=40), np.cumsum(sizes)[:5], [len(x)]]))
+    starts = np.concatenate([[0], cuts[:-1]])
+    batches = [rows_batch(devices[s:e], x[s:e]) for s, e in zip(starts, cuts)]
+    monkeypatch.setattr(workers, "CLUSTER_ROWS", 300)
+    chunked = pa.Table.from_batches(list(local_centers_from_batches(iter(batches), spec)))
+    assert chunked.to_pydict() == whole.to_pydict()
+
+
 def test_a_device_over_the_row_bound_is_clustered_on_a_sample_that_ignores_row_order_and_counted_whole():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(250, 2)) + np.repeat([[0.0, 0.0], [30.0, 0.0]], 125, axis=0)
