@@ -121,11 +121,7 @@ class LocalCenters:
         """What labels rows with these local centers, given the global cluster each joined (its position in
         centers) and the centers, with their published ids (default: their positions). The held-back
         centers' rows take the nearest global center and no local cluster."""
-        held = self.held_back if self.held_back is not None and len(self.held_back.counts) else None
-        if held is None:
-            return LabelModel.build(
-                self.devices, self.ids, self.centers, assignment, centers, label_mode, label_unseen, cluster_ids
-            )
+        held = self.held_back or LocalCenters.from_arrow(self.table.slice(0, 0), self.centers.shape[1])
         return LabelModel.build(
             np.concatenate([self.devices, held.devices]),
             np.concatenate([self.ids, held.ids]),

@@ -111,11 +111,17 @@ class DevicesCenters:
 
 
 def local_steps(
-    x: np.ndarray, starts: np.ndarray, devices: np.ndarray, ks: np.ndarray, params: AlgorithmParams = DEFAULTS
+    x: np.ndarray,
+    starts: np.ndarray,
+    devices: np.ndarray,
+    ks: np.ndarray,
+    params: AlgorithmParams = DEFAULTS,
+    noise_key: int | None = None,
 ) -> DevicesCenters:
     """Alg. 1 on every device, with params' local_restarts, max_iter, tol and seed: x (n, d) holds the
     rows grouped by device, device i's being x[starts[i]:starts[i + 1]]; devices[i] is its id and
-    ks[i] the most local centers it may have.
+    ks[i] the most local centers it may have. With privacy_epsilon set, the private local step takes
+    its place on each device in turn, its noise from noise_key (linalg.noise_rng).
 
     The devices are clustered together, as arrays with a device axis: numpy calls per block of
     devices, not per device (on a hundred thousand devices of ten rows the calls, not the arithmetic,
@@ -130,6 +136,15 @@ def local_steps(
     rows would give a subspace that depends on where the origin is).
     """
     ks = np.asarray(ks, dtype=np.int64)
+    if params.privacy_epsilon is not None:
+        if noise_key is None:
+            raise ValueError("a private local step needs the run's noise key")
+        return DevicesCenters.of_each(
+            [
+                private_local_step(x[s:e], int(k), device_rng(params.seed, d), noise_rng(noise_key, d), params)
+                for d, k, s, e in zip(map(plain, devices), ks, starts[:-1], starts[1:])
+            ]
+        )
     distinct, counts, owner = distinct_rows(x, np.repeat(np.arange(len(devices)), np.diff(starts)))
     sizes = np.bincount(owner, minlength=len(devices))
     first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -488,15 +503,14 @@ def _split(centers: np.ndarray, counts: np.ndarray, wanted: int, half: float, rn
 def device_local_step(
     x: np.ndarray, k: int, device: object, params: AlgorithmParams, noise_key: int | None = None
 ) -> DeviceCenters:
-    """One device's local centers: alg. 1, or with privacy_epsilon set the
-    private local step, whose noise comes from noise_key (linalg.noise_rng)."""
-    if params.privacy_epsilon is None:
-        return local_steps(x, np.array([0, len(x)]), np.array([device], dtype=object), np.array([k]), params).of_device(
-            0
-        )
-    if noise_key is None:
-        raise ValueError("a private local step needs the run's noise key")
-    return private_local_step(x, k, device_rng(params.seed, device), noise_rng(noise_key, device), params)
+    """One device's local centers: local_steps on it alone."""
+    one = np.array([device], dtype=object)
+    return local_steps(x, np.array([0, len(x)]), one, np.array([k]), params, noise_key).of_device(0)
+
+
+def estimated_ks(x: np.ndarray, starts: np.ndarray, k_max: int) -> np.ndarray:
+    """estimate_local_k of every device's rows x[starts[i]:starts[i + 1]] (k_per_device: auto)."""
+    return np.array([estimate_local_k(x[s:e], k_max) for s, e in zip(starts[:-1], starts[1:])], dtype=np.int64)
 
 
 def estimate_local_k(x: np.ndarray, k_max: int) -> int:

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kfed_spark.core.linalg import plain
 from kfed_spark.core.local_centers import LocalCenters
-from kfed_spark.core.local_step import DevicesCenters, device_local_step, estimate_local_k, local_steps
+from kfed_spark.core.local_step import estimated_ks, local_steps
 from kfed_spark.core.server_step import GlobalClusters, server_step
 from kfed_spark.params import DEFAULTS, AlgorithmParams
 
@@ -45,19 +44,10 @@ def local_clusterings(
     bounds = np.append(starts, len(order))
     rows = x[order]
     if params.k_per_device == "auto":
-        k_max = min(params.largest_k, params.k_per_device_max)
-        ks = np.array([estimate_local_k(rows[s:e], k_max) for s, e in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
+        ks = estimated_ks(rows, bounds, min(params.largest_k, params.k_per_device_max))
     else:
         ks = np.full(len(keys), int(params.k_per_device), dtype=np.int64)
-    if params.privacy_epsilon is None:
-        found = local_steps(rows, bounds, keys, ks, params)
-    else:
-        found = DevicesCenters.of_each(
-            [
-                device_local_step(rows[s:e], int(k), plain(key), params, noise_key)
-                for key, k, s, e in zip(keys, ks, bounds[:-1], bounds[1:])
-            ]
-        )
+    found = local_steps(rows, bounds, keys, ks, params, noise_key)
     found = found.shared_first(params.min_center_points)
     every = LocalCenters.of(keys[found.owner], found.ids(), found.centers, found.counts, found.sse)
     return every.held_back_from(params.min_center_points)

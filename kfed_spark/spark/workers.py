@@ -14,9 +14,9 @@ import pyarrow as pa
 
 from kfed_spark.core.evaluation import EvaluationSpec, PartitionEvaluation
 from kfed_spark.core.labels import LabelModel
-from kfed_spark.core.linalg import device_rng, nearest_center, plain
+from kfed_spark.core.linalg import device_rng, nearest_center
 from kfed_spark.core.local_centers import feature_matrix, features_array
-from kfed_spark.core.local_step import DevicesCenters, device_local_step, estimate_local_k, local_steps
+from kfed_spark.core.local_step import DevicesCenters, estimated_ks, local_steps
 from kfed_spark.core.sampling import row_hashes, smallest_hashes
 from kfed_spark.core.server_step import representatives
 from kfed_spark.params import AlgorithmParams
@@ -202,17 +202,11 @@ def _cluster(
     rows before any sampling): every local center, counts and SSE for all of a device's rows."""
     starts = np.append(0, np.cumsum(sizes))
     if spec.k_source == "auto":
-        ks = np.array([estimate_local_k(x[s:e], spec.k) for s, e in zip(starts[:-1], starts[1:])], dtype=np.int64)
-    if spec.noise_key is not None:
-        # a private device shares its sample's noisy counts: its number of rows is not released
-        return DevicesCenters.of_each(
-            [
-                device_local_step(x[s:e], int(k), plain(device), spec.params, spec.noise_key)
-                for device, k, s, e in zip(devices, ks, starts[:-1], starts[1:])
-            ]
-        )
-    found = local_steps(x, starts, devices, ks, spec.params)
-    return found.with_counts_of(seen, sizes) if np.any(seen != sizes) else found
+        ks = estimated_ks(x, starts, spec.k)
+    found = local_steps(x, starts, devices, ks, spec.params, spec.noise_key)
+    # a private device shares its sample's noisy counts: its number of rows is not released
+    sampled = spec.noise_key is None and np.any(seen != sizes)
+    return found.with_counts_of(seen, sizes) if sampled else found
 
 
 def representatives_from_batches(
