@@ -256,21 +256,17 @@ def _nearest(
     x: np.ndarray, x_sq: np.ndarray, centers: np.ndarray, present: np.ndarray, valid: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each row's nearest present center and squared distance to it: x (B, P, p) near the origin with
-    squared norms x_sq (B, P), centers (B, k, p) or with restarts (B, R, k, p), present of their shape
-    but p; label 0 and distance 0 where valid (B, P) is False. Results (B, P) or (B, R, P).
+    squared norms x_sq (B, P), centers (B, k, p), present (B, k); label 0 and distance 0 where valid
+    (B, P) is False.
 
-    The distances are laid out (..., k, P), rows innermost: the minimum over the few centers is then
+    The distances are laid out (B, k, P), rows innermost: the minimum over the few centers is then
     taken over long rows of memory, not over short ones."""
-    c_sq = np.where(present, np.einsum("...p,...p->...", centers, centers), np.inf)
-    flat = centers.reshape(len(x), -1, x.shape[2])  # one matrix product per device for all its restarts
-    partial = (flat @ x.transpose(0, 2, 1)).reshape(*centers.shape[:-1], x.shape[1])
+    partial = centers @ x.transpose(0, 2, 1)
     partial *= -2.0
-    partial += c_sq[..., None]
-    if centers.ndim == 4:
-        x_sq, valid = x_sq[:, None, :], valid[:, None, :]
-    best = np.min(partial, axis=-2)
+    partial += np.where(present, np.einsum("bkp,bkp->bk", centers, centers), np.inf)[:, :, None]
+    best = np.min(partial, axis=1)
     best += x_sq
-    return np.where(valid, np.argmin(partial, axis=-2), 0), np.where(valid, np.maximum(best, 0.0), 0.0)
+    return np.where(valid, np.argmin(partial, axis=1), 0), np.where(valid, np.maximum(best, 0.0), 0.0)
 
 
 def _rough_centers(
@@ -351,21 +347,19 @@ def _rough_clusterings(
         best = np.argmin(candidate_closest @ weights[:, None, :, None], axis=2)[:, :, 0]  # (B, restarts)
         chosen[:, :, step] = candidates[blocks, restart_axis, best]
         closest = candidate_closest[blocks, restart_axis, best]
-    centers = x[blocks[:, :, None], chosen]  # (B, restarts, k, rank)
-    present = np.ones((n_devices, restarts, k), dtype=bool)
-    labels, sq_dist = _nearest(x, norms, centers, present, valid)
-    for _ in range(ROUGH_LLOYD_ITERATIONS):
-        by_label = _by_label(labels, weights[:, None, :], k)  # (B, restarts, k, P)
-        cluster_mass = by_label.sum(axis=3)
-        moved = cluster_mass > 0
-        means = (by_label @ x[:, None]) / np.where(moved, cluster_mass, 1.0)[..., None]
-        centers = np.where(moved[..., None], means, centers)
-        new_labels, sq_dist = _nearest(x, norms, centers, present, valid)
-        unchanged = np.array_equal(new_labels, labels)
-        labels = new_labels
-        if unchanged:  # every device's every restart has converged (one more round would change none)
-            break
-    return centers, np.einsum("brp,bp->br", sq_dist, weights), ran_out
+    # Lloyd rounds on each (device, restart) pair as a device of its own.
+    pairs, pair_weights = n_devices * restarts, np.repeat(weights, restarts, axis=0)
+    centers, _, sq_dist = _lloyd(
+        np.repeat(x, restarts, axis=0),
+        pair_weights,
+        np.repeat(valid, restarts, axis=0),
+        x[blocks[:, :, None], chosen].reshape(pairs, k, -1),
+        np.ones((pairs, k), dtype=bool),
+        ROUGH_LLOYD_ITERATIONS,
+        tol=0.0,
+    )
+    costs = np.einsum("bp,bp->b", sq_dist, pair_weights).reshape(n_devices, restarts)
+    return centers.reshape(n_devices, restarts, k, -1), costs, ran_out
 
 
 def _searched(cumulative: np.ndarray, targets: np.ndarray, last_row: np.ndarray) -> np.ndarray:
