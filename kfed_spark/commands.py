@@ -78,15 +78,19 @@ def shipped_config(path: str | None) -> str | None:
 
 
 def execute(cfg: KFedConfig, parent_run_id: str | None = None, model_path: str | None = None):
-    """Start (or join) the SparkSession the config describes and run the job in it."""
+    """Start (or join) the SparkSession the config describes and run the job in it; a session it started
+    is stopped once the run no longer needs it (before MLflow tracking)."""
+    from pyspark.sql import SparkSession
+
     from kfed_spark.runs.job import run
     from kfed_spark.spark.fitting import StageTimer
     from kfed_spark.spark.session import build_session
 
     timer = StageTimer()
+    joined = SparkSession.getActiveSession() is not None
     with timer.stage("session"):
         spark = build_session(cfg.spark)
-    return run(spark, cfg, parent_run_id, model_path, timer)
+    return run(spark, cfg, parent_run_id, model_path, timer, own_session=not joined)
 
 
 def command_assign(args: argparse.Namespace) -> int:

@@ -90,6 +90,10 @@ class MlflowTracking:
     MLflow's own choice (MLFLOW_TRACKING_URI)."""
     experiment: str = "kfed-spark"
     """The experiment the attempts are logged in, created if missing."""
+    timeout_s: float = 10.0
+    """Seconds MLflow is given, at most, at each of tracking's two moments: creating the attempt's MLflow
+    run as the attempt starts, and logging its figures, report and model after the publish. Past it the
+    run goes on (and ends) with one warning, whatever MLflow's own retry settings are."""
 
 
 @dataclass(frozen=True)
@@ -312,6 +316,8 @@ def validate_io(cfg: KFedConfig) -> None:
         for key, value in (("uri", mlflow.uri), ("experiment", mlflow.experiment)):
             if not (isinstance(value, str) and value.strip()) and (key, value) != ("uri", None):
                 raise ConfigError(f"tracking.mlflow.{key} must be non-empty text, got {value!r}")
+        if finite_number(mlflow.timeout_s) or mlflow.timeout_s == 0:
+            raise ConfigError(f"tracking.mlflow.timeout_s must be a finite number > 0, got {mlflow.timeout_s!r}")
     stream = cfg.stream
     if finite_number(stream.trigger_seconds) or stream.trigger_seconds == 0:
         raise ConfigError(f"stream.trigger_seconds must be a finite number > 0, got {stream.trigger_seconds!r}")

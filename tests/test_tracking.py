@@ -1,8 +1,10 @@
 """MLflow tracking against a real tracking server (`mlflow server`, SQLite store, on 127.0.0.1, stopped by
-pid), read back with MLflow's client; and a tracking server that cannot be reached, which must leave the
-attempt published."""
+pid), read back with MLflow's client; and tracking servers that refuse connections or never answer, which
+must leave the attempt published and hold the run seconds at most, with MLflow's own settings untouched."""
 
 import os
+import socket
+import time
 
 import mlflow.pyfunc
 import numpy as np
@@ -10,7 +12,18 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from helpers import N_ROWS, free_port, published, run_cli, runs_of, servers, tool_python, wait_for_port
+from helpers import (
+    N_ROWS,
+    clean_environment,
+    free_port,
+    published,
+    run_cli,
+    run_cli_process,
+    runs_of,
+    servers,
+    tool_python,
+    wait_for_port,
+)
 
 pytestmark = pytest.mark.integration  # the MLflow server is a process of its own
 
@@ -47,11 +60,24 @@ def tracking_server(tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
 
 
+def user_environment() -> dict[str, str]:
+    """The CLI's environment as a user has it: no MLflow setting, so MLflow's client keeps its defaults."""
+    return {key: value for key, value in clean_environment().items() if not key.startswith("MLFLOW_")}
+
+
+def mlflow_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if " WARNING " in line and "MLflow" in line]
+
+
 def test_a_published_attempt_is_logged_with_its_figures_report_and_model(
     spark, config, tmp_path, tracking_server, monkeypatch
 ):
+    """The CLI as a process of its own, which stops its Spark session before it logs the published attempt."""
     out = tmp_path / "out"
-    assert run_cli(config, f"tracking.mlflow.uri={tracking_server}", "tracking.mlflow.experiment=kfed-test") == 0
+    tracking = ["--set", f"tracking.mlflow.uri={tracking_server}", "--set", "tracking.mlflow.experiment=kfed-test"]
+    ran = run_cli_process("run", "--config", str(config), *tracking, env=user_environment(), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert not mlflow_warnings(ran.stderr)
     (row,) = runs_of(spark, out)
     assert row.status == "succeeded" and row.mlflow_run_id and row.tracking_error is None
 
@@ -80,14 +106,41 @@ def test_a_published_attempt_is_logged_with_its_figures_report_and_model(
     assert list(model.predict(rows)) == list(labels.cluster_id)
 
 
-def test_an_unreachable_tracking_server_leaves_the_attempt_published_with_a_warning(
-    spark, config, tmp_path, caplog, monkeypatch
-):
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries take minutes
+def test_a_tracking_server_that_refuses_connections_costs_a_run_seconds_not_minutes(spark, config, tmp_path):
+    """Each run a process of its own, as cron or Airflow starts it, with no MLflow environment variable: the
+    run with tracking (first, so it also creates the tables) ends within 30 s of the same run without."""
     nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert run_cli(config, f"tracking.mlflow.uri={nowhere}") == 0
+    walls, ran = {}, {}
+    for run_id, settings in (("tracked", ["--set", f"tracking.mlflow.uri={nowhere}"]), ("untracked", [])):
+        start = time.monotonic()
+        ran[run_id] = run_cli_process(
+            "run", "--config", str(config), "--set", f"run_id={run_id}", *settings, env=user_environment(), cwd=tmp_path
+        )
+        walls[run_id] = time.monotonic() - start
+        assert ran[run_id].returncode == 0, ran[run_id].stderr[-3000:]
+    assert walls["tracked"] < walls["untracked"] + 30, walls
+    rows = {row.run_id: row for row in runs_of(spark, tmp_path / "out")}
+    tracked = rows["tracked"]
+    assert (tracked.status, tracked.mlflow_run_id) == ("succeeded", None)
+    assert tracked.tracking_error.startswith(f"cannot connect to the MLflow server at {nowhere}")
+    (warned,) = mlflow_warnings(ran["tracked"].stderr)
+    failed = f"attempt {tracked.attempt_id} is published, but logging it to MLflow failed: {tracked.tracking_error}"
+    assert warned.endswith(f"run tracked: {failed}")
+    assert not mlflow_warnings(ran["untracked"].stderr) and rows["untracked"].tracking_error is None
+
+
+def test_a_tracking_server_that_never_answers_is_given_timeout_s(spark, config, tmp_path, caplog):
+    """A server that accepts the connection and never answers (MLflow's client would wait two minutes a
+    request): the attempt is published, with one warning, as soon as timeout_s has passed."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # its backlog takes the connection; nobody answers
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        assert run_cli(config, f"tracking.mlflow.uri={uri}", "tracking.mlflow.timeout_s=3") == 0
+        took = time.monotonic() - start
     (row,) = runs_of(spark, tmp_path / "out")
-    assert (row.status, row.mlflow_run_id) == ("succeeded", None) and row.tracking_error
+    assert (row.status, row.mlflow_run_id) == ("succeeded", None)
+    assert row.tracking_error == "no answer within 3 s (tracking.mlflow.timeout_s)"
+    assert took < 60, took  # the run itself; MLflow's own timeout alone is 120 s
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "MLflow" in r.getMessage()]
     assert warned == [
         f"run first: attempt {row.attempt_id} is published, but logging it to MLflow failed: {row.tracking_error}"

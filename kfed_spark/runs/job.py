@@ -43,6 +43,7 @@ from kfed_spark.runs.attempt import (
     package_versions,
     write_attempt,
 )
+from kfed_spark.runs.tracking import AttemptTracking
 from kfed_spark.runtime import fault_injection
 from kfed_spark.runtime.failures import describe
 from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, fit_checked, validated
@@ -68,6 +69,7 @@ def run(
     parent_run_id: str | None = None,
     model_path: str | None = None,
     timer: StageTimer | None = None,
+    own_session: bool = False,
 ) -> RunResult:
     """Cluster the configured input with k-FED as a new attempt of the run id, and publish it.
 
@@ -79,6 +81,10 @@ def run(
     with that published run's model (its local and global centers), devices it has not seen are
     clustered locally and joined to the nearest global centers (the paper's section 3.2), and the new
     run records where its model came from (the run id, or model:<path>) as its parent_run_id.
+
+    With tracking.mlflow the attempt is logged to MLflow (kfed_spark.runs.tracking); own_session says the
+    caller started `spark` for this run alone, and it is stopped before the MLflow logging that follows
+    the publish, so that no executor waits on MLflow.
     """
     run_id = resolve_run_id(cfg)
     if parent_run_id == run_id:
@@ -92,6 +98,7 @@ def run(
     row = attempt_row(cfg, run_id, new_attempt_id(started_at), found.parent_run_id, started_at)
     with timer.stage("claim"):
         attempt, row = ledger.begin(row, found.known)
+    tracking = None if cfg.tracking.mlflow is None else AttemptTracking(cfg.tracking.mlflow, row, tables.root)
     # The reference run's clusters are read while the local step runs.
     reference_read = None if found.reference_row is None else in_background(reference_run, tables, found.reference_row)
     try:
@@ -107,19 +114,24 @@ def run(
             lambda labelled, counted: labelled.filter(F.col(REASON_COL).isNotNull()) if counted.n_quarantined else None,
         )
         row = row.changed(timings=dict(timer.seconds), finished_at=datetime.now(timezone.utc))
+        if tracking is not None:
+            row = row.changed(**tracking.columns())
         fault_injection.point("before_publish")
         with timer.stage("publish"):  # in the RunResult only: the runs row is what it commits
             runs_now = ledger.publish(attempt, row)
     except BaseException as exc:
         ledger.fail(row.changed(timings=dict(timer.seconds)), describe(exc) or f"{type(exc).__name__}: {exc}")
+        if tracking is not None:
+            tracking.fail()
         raise
     fault_injection.point("published")
     with timer.stage("supersede"):
         ledger.supersede_others(attempt, runs_now)
-    if cfg.tracking.mlflow is not None:
-        from kfed_spark.runs.tracking import track_attempt
-
-        track_attempt(cfg, row, tables, clustering)
+    if tracking is not None:
+        report = tables.report_files(row.run_id, row.attempt_id)
+        if own_session:
+            spark.stop()
+        tracking.finish(cfg, row, report, clustering)
     log.info(
         "run %s: %d rows labelled, %d quarantined, cost %.6g",
         run_id,

@@ -1,70 +1,160 @@
 """MLflow tracking (the `mlflow` extra): each published attempt logged as an MLflow run.
 
-With `tracking.mlflow` in the config, a run logs its published attempt after the publish: the settings
-as parameters, the counts, cost, ARI and stage timings as metrics, the report files, and the model as an
-MLflow pyfunc model with a signature (rows of device_id and features in, cluster_id out), which labels
-rows with numpy alone, as the job's workers do. Tags link the MLflow run back to the run id, the attempt
-and the output location, and the attempt's row of `runs` records the MLflow run id. Tracking can never
-unpublish an attempt: a failure is a warning and the row's tracking_error.
+With `tracking.mlflow` in the config, an attempt's MLflow run is created as the attempt starts, and after
+the publish it gets the settings as parameters, the counts, cost, ARI and stage timings as metrics, the
+report files, and the model as an MLflow pyfunc model with a signature (rows of device_id and features in,
+cluster_id out), which labels rows with numpy alone, as the job's workers do. Tags link the MLflow run back
+to the run id, the attempt and the output location, and the attempt's row of `runs` records the MLflow run
+id. Each moment is bounded (AttemptTracking). Tracking can never unpublish an attempt or change the exit
+code: a failure is a warning (and the row's tracking_error, when the MLflow run could not be created).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Generic, TypeVar
+from urllib.parse import urlparse
+from urllib.request import getproxies, proxy_bypass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kfed_spark.config import MlflowTracking
 from kfed_spark.errors import first_line
 
 log = logging.getLogger("kfed_spark")
+
+T = TypeVar("T")
 
 LOCAL_CENTERS_FILE = "local_centers.parquet"
 GLOBAL_FILE = "global.npz"
 SETTINGS_FILE = "settings.json"
 
 
-def track_attempt(cfg, row, tables, clustering) -> None:
-    """Log the published attempt (its final runs row `row`) to MLflow and record the outcome in runs.
-    Never raises: the attempt is published whatever happens here."""
-    try:
-        mlflow_run_id, error = log_attempt(cfg, row, tables, clustering), None
-        log.info("run %s: attempt %s logged to MLflow as run %s", row.run_id, row.attempt_id, mlflow_run_id)
-    except Exception as exc:
-        mlflow_run_id, error = None, first_line(exc) or type(exc).__name__
-        log.warning(
-            "run %s: attempt %s is published, but logging it to MLflow failed: %s", row.run_id, row.attempt_id, error
-        )
-    try:
-        tables.record_tracking(row.run_id, row.attempt_id, mlflow_run_id, error)
-    except Exception as exc:
-        log.warning("run %s: could not record the MLflow outcome in runs: %s", row.run_id, first_line(exc))
+class Bounded(Generic[T]):
+    """work(*args) in a daemon thread, waited for until `seconds` after it started: a neighbour that does
+    not answer (MLflow's client retries a refused request for minutes) costs the run that long at most,
+    and a process that is done does not wait for it to give up."""
+
+    def __init__(self, seconds: float, work: Callable[..., T], *args):
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+        self.done = threading.Event()
+        self.value: T | None = None
+        self.error: str | None = None
+
+        def bounded() -> None:
+            try:
+                self.value = work(*args)
+            except BaseException as exc:
+                self.error = first_line(exc) or type(exc).__name__
+            finally:
+                self.done.set()
+
+        threading.Thread(target=bounded, name="kfed-mlflow", daemon=True).start()
+
+    def outcome(self) -> tuple[T | None, str | None]:
+        """(its value, None), or (None, why not): its error, or that it did not end in time."""
+        if not self.done.wait(max(0.0, self.deadline - time.monotonic())):
+            return None, f"no answer within {self.seconds:g} s (tracking.mlflow.timeout_s)"
+        return self.value, self.error
 
 
-def log_attempt(cfg, row, tables, clustering) -> str:
-    """The MLflow run id the attempt was logged as."""
-    from mlflow.entities import Metric, Param
+class AttemptTracking:
+    """An attempt's MLflow run, in two bounded moments (tracking.mlflow.timeout_s each).
+
+    As the attempt starts, its MLflow run is created in the background, beside the attempt's own work, so
+    that the runs row it publishes already holds mlflow_run_id (or tracking_error): nothing is written to
+    the tables after the publish. After the publish (and after the Spark session that the run started is
+    stopped: no executor waits on MLflow), the figures, the report and the model are logged to that run,
+    which is then set FINISHED. An attempt that fails sets its MLflow run FAILED. Whatever MLflow does,
+    the attempt's outcome and the process's exit code stay as they are: one warning says what failed.
+    """
+
+    def __init__(self, settings: MlflowTracking, row, output_root: str):
+        self.settings = settings
+        self.created = Bounded(settings.timeout_s, create_mlflow_run, settings, row, output_root)
+
+    def columns(self) -> dict[str, str | None]:
+        """The runs row's mlflow_run_id and tracking_error (waits for the MLflow run until its deadline)."""
+        mlflow_run_id, error = self.created.outcome()
+        return {"mlflow_run_id": mlflow_run_id, "tracking_error": error}
+
+    def finish(self, cfg, row, report: dict[str, bytes], clustering) -> None:
+        """Log the published attempt (its final runs row `row`, its report files) to its MLflow run. Never raises."""
+        mlflow_run_id, error = row.mlflow_run_id, row.tracking_error
+        if mlflow_run_id is not None:
+            _, error = Bounded(
+                self.settings.timeout_s, log_attempt, self.settings, mlflow_run_id, cfg, row, report, clustering
+            ).outcome()
+        if error is None:
+            log.info("run %s: attempt %s logged to MLflow as run %s", row.run_id, row.attempt_id, mlflow_run_id)
+        else:
+            log.warning(
+                "run %s: attempt %s is published, but logging it to MLflow failed: %s",
+                row.run_id,
+                row.attempt_id,
+                error,
+            )
+
+    def fail(self) -> None:
+        """The attempt failed: its MLflow run, once created (within its deadline), is set FAILED. Never raises."""
+        mlflow_run_id, _ = self.created.outcome()
+        if mlflow_run_id is not None:
+            Bounded(self.settings.timeout_s, terminated, self.settings, mlflow_run_id, "FAILED").outcome()
+
+
+def client_of(settings: MlflowTracking):
+    """MLflow's client for the tracking URI; an HTTP server that refuses connections (reached without a
+    proxy) is refused here, at once, instead of by MLflow's retries."""
     from mlflow.tracking import MlflowClient
 
-    settings = cfg.tracking.mlflow
     client = MlflowClient(tracking_uri=settings.uri)
+    where = urlparse(client.tracking_uri)
+    proxied = where.scheme in getproxies() and not proxy_bypass(where.hostname or "")
+    if where.scheme in ("http", "https") and where.hostname and not proxied:
+        port = where.port or (443 if where.scheme == "https" else 80)
+        try:
+            socket.create_connection((where.hostname, port), timeout=settings.timeout_s).close()
+        except OSError as exc:
+            raise ConnectionError(f"cannot connect to the MLflow server at {client.tracking_uri}: {exc}") from None
+    return client
+
+
+def create_mlflow_run(settings: MlflowTracking, row, output_root: str) -> str:
+    """A new MLflow run for the attempt, in the configured experiment (created if missing), tagged with
+    what leads back to the tables; its id."""
+    client = client_of(settings)
     experiment = client.get_experiment_by_name(settings.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(settings.experiment)
     tags = {
         "kfed.run_id": row.run_id,
         "kfed.attempt_id": row.attempt_id,
-        "kfed.output": tables.root,
+        "kfed.output": output_root,
         "kfed.input": row.input,
     }
-    run = client.create_run(experiment_id, run_name=row.run_id, tags=tags)
-    mlflow_run_id = run.info.run_id
+    return client.create_run(experiment_id, run_name=row.run_id, tags=tags).info.run_id
+
+
+def terminated(settings: MlflowTracking, mlflow_run_id: str, status: str) -> None:
+    client_of(settings).set_terminated(mlflow_run_id, status)
+
+
+def log_attempt(settings: MlflowTracking, mlflow_run_id: str, cfg, row, report: dict[str, bytes], clustering) -> None:
+    """The published attempt's settings, figures, report files and model, logged to its MLflow run, then FINISHED."""
+    from mlflow.entities import Metric, Param
+
+    client = client_of(settings)
     try:
         now = int(time.time() * 1000)
         params = asdict(cfg.algorithm)
@@ -84,7 +174,6 @@ def log_attempt(cfg, row, tables, clustering) -> str:
             params=[Param(name, str(value)) for name, value in params.items()],
         )
         with tempfile.TemporaryDirectory(prefix="kfed-mlflow-") as work:
-            report = tables.report_files(row.run_id, row.attempt_id)
             if report:
                 folder = Path(work, "report")
                 folder.mkdir()
@@ -98,7 +187,6 @@ def log_attempt(cfg, row, tables, clustering) -> str:
         client.set_terminated(mlflow_run_id, "FAILED")
         raise
     client.set_terminated(mlflow_run_id)
-    return mlflow_run_id
 
 
 def save_pyfunc_model(path: Path, clustering, label_mode: str) -> None:

@@ -23,7 +23,6 @@ from kfed_spark.store.delta import (
     concurrently,
     filesystem_of,
     log,
-    sql_string,
     stored_field,
 )
 from kfed_spark.store.tables import (
@@ -189,16 +188,6 @@ class AttemptWrites(TableStore):
             self._write(frames[name], name, "append", note, txnAppId=app_id, txnVersion=str(batch_id))
 
         concurrently(write, list(frames))
-
-    def record_tracking(self, run_id: str, attempt_id: str, mlflow_run_id: str | None, error: str | None) -> None:
-        """Set a published attempt's mlflow_run_id and tracking_error in runs: an UPDATE of those two
-        columns only, so that a status another process set meanwhile (superseded) stays as it is."""
-        values = ", ".join(
-            f"{column} = {'NULL' if value is None else sql_string(value)}"
-            for column, value in (("mlflow_run_id", mlflow_run_id), ("tracking_error", error))
-        )
-        with self.writing("runs"):
-            self.spark.sql(f"UPDATE {self.source('runs')} SET {values} WHERE {attempt_filter(run_id, attempt_id)}")
 
     def add_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str) -> None:
         """Append a new attempt's first row to `runs`: a plain append, about a third of a replacing commit."""

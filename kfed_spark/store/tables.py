@@ -145,8 +145,8 @@ COLUMN_COMMENTS = {
     "devices_out": "devices in both runs whose largest share of rows (as their local centers count them) was in "
     "this cluster and is in another now",
     "versions": "versions of kfed-spark, Spark, Delta and the numeric libraries",
-    "mlflow_run_id": "with tracking.mlflow: the MLflow run this published attempt was logged as",
-    "tracking_error": "with tracking.mlflow: why logging this published attempt to MLflow failed (it stays published)",
+    "mlflow_run_id": "with tracking.mlflow: the MLflow run of this attempt",
+    "tracking_error": "with tracking.mlflow: why this attempt's MLflow run could not be created (it stays published)",
 }
 """Delta comments of the output columns; a column not named here is the input's and says so."""
 TABLE_COLUMN_COMMENTS = {
