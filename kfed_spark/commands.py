@@ -42,7 +42,7 @@ def command_run(args: argparse.Namespace) -> int:
         from kfed_spark.runs.job import plan
         from kfed_spark.spark.session import build_session
 
-        print(plan(build_session(cfg.spark), cfg))
+        print(plan(build_session(cfg.spark, cfg.paths), cfg))
         return 0
     result = execute(cfg)
     print_result(
@@ -89,7 +89,7 @@ def execute(cfg: KFedConfig, parent_run_id: str | None = None, model_path: str |
     timer = StageTimer()
     joined = SparkSession.getActiveSession() is not None
     with timer.stage("session"):
-        spark = build_session(cfg.spark)
+        spark = build_session(cfg.spark, cfg.paths)
     return run(spark, cfg, parent_run_id, model_path, timer, own_session=not joined)
 
 
@@ -118,7 +118,7 @@ def command_stream(args: argparse.Namespace) -> int:
     )
     cfg = spark_quiet(load_config(shipped_config(args.config), overrides), args)
     stop_on_sigterm(STREAM_STOPPED)
-    spark = build_session(cfg.spark)
+    spark = build_session(cfg.spark, cfg.paths)
     model = finished_model(OutputTables(spark, cfg.output), args.model_run, args.model)
     stream = start(spark, cfg, model, args.available_now)
     stream.query.awaitTermination()
@@ -146,7 +146,7 @@ def output_session(args: argparse.Namespace):
         output, spark_cfg = OutputConfig(path=args.output), SparkConfig(master="local[2]", conf=QUIET_LOCAL_SPARK)
     else:
         raise KFedError("give --output PATH or --config FILE to say which tables to use")
-    return OutputTables(build_session(spark_cfg), output)
+    return OutputTables(build_session(spark_cfg, [str(output.path)]), output)
 
 
 def command_sql(args: argparse.Namespace) -> int:

@@ -148,6 +148,13 @@ class KFedConfig:
     def fitting(self) -> FitSettings:
         return FitSettings(self.algorithm, self.input, self.local_partitions)
 
+    @property
+    def paths(self) -> list[str]:
+        """Every path the config names (input, output, the stream's tables and checkpoint), for the
+        filesystems a session needs."""
+        named = (self.input.path, self.output.path, self.stream.labels, self.stream.quarantine, self.stream.checkpoint)
+        return [str(path) for path in named if path]
+
     def with_algorithm(self, **changes: Any) -> KFedConfig:
         """This config with some of the clustering's parameters changed."""
         return dataclasses.replace(self, algorithm=dataclasses.replace(self.algorithm, **changes))

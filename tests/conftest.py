@@ -118,7 +118,7 @@ def jvm_archive(tmp_path_factory):
     it saves seconds of every JVM start after it. Of two xdist workers one writes it; the other
     waits only until that one's first Spark start has resolved Delta's jars into the Ivy cache (two
     resolutions at once into one Ivy cache can fail), and goes on without the archive until it is there."""
-    from kfed_spark.spark.session import jvm_archive_file, resolved_delta_jars, write_jvm_archive
+    from kfed_spark.spark.session import jvm_archive_file, resolved_jars, write_jvm_archive
 
     archive = jvm_archive_file()
     if archive is not None and not archive.is_file():
@@ -128,7 +128,7 @@ def jvm_archive(tmp_path_factory):
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:  # another worker is writing it
-                    if resolved_delta_jars():
+                    if resolved_jars():
                         return archive
                     time.sleep(1)
                     continue

@@ -129,15 +129,16 @@ DUCKDB_PUBLISHED_LABELS = _docs_duckdb_view()
 """The docs' view of the published labels for DuckDB (over delta-rs datasets named labels and runs)."""
 
 
-def duckdb_published(out, name: str):
+def duckdb_published(out, name: str, storage_options: dict[str, str] | None = None):
     """The published rows of output table `name` as DuckDB sees them without Spark: every table read with
-    delta-rs, and the docs' view of the published labels (DUCKDB_PUBLISHED_LABELS) put on `name`."""
+    delta-rs (from a bucket with its storage_options), and the docs' view of the published labels
+    (DUCKDB_PUBLISHED_LABELS) put on `name`."""
     import duckdb
     from deltalake import DeltaTable
 
     con = duckdb.connect()
     for table in ("runs", name):
-        con.register(table, DeltaTable(str(Path(out) / table)).to_pyarrow_dataset())
+        con.register(table, DeltaTable(f"{out}/{table}", storage_options=storage_options).to_pyarrow_dataset())
     if name == "runs":
         return con.sql("SELECT * FROM runs").to_arrow_table()
     con.sql(

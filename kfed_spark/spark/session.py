@@ -7,7 +7,7 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -62,16 +62,17 @@ QUIET_ARCHIVE = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
 """An archive the JVM cannot use (another Java, another class path) is skipped without a word on the console."""
 
 
-def build_session(spark_cfg: SparkConfig) -> SparkSession:
+def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSession:
     """A SparkSession with the Delta extensions, or a Spark Connect session (also last_built_session()).
 
     Delta's jars come, in this order, from KFED_DELTA_JARS, from jars the configuration already
     names (spark.jars / spark.jars.packages, as on a cluster), or from Maven through
     delta-spark's configure_spark_with_delta_pip, which picks the jar matching the installed
-    pyspark. Under spark-submit the JVM is already up, so --packages or --jars decide instead (and
-    delta-spark's Python package, which a packed environment leaves out, is not imported). Over
-    Spark Connect the server has its own jars, extensions and master; only the SQL settings of the
-    configuration reach it.
+    pyspark; with the last two, the filesystems that `paths` (the config's input and output) need
+    come with them (filesystem_packages). Under spark-submit the JVM is already up, so --packages or
+    --jars decide instead (and delta-spark's Python package, which a packed environment leaves out,
+    is not imported). Over Spark Connect the server has its own jars, extensions and master; only
+    the SQL settings of the configuration reach it.
     """
     builder = SparkSession.builder.appName(spark_cfg.app_name)
     remote = connect_url(spark_cfg)
@@ -107,21 +108,40 @@ def build_session(spark_cfg: SparkConfig) -> SparkSession:
     for key, value in {**conf, CONSOLE_PROGRESS: console_progress(conf)}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
+    extra = filesystem_packages(paths)
     resolve = False
     if local_jars:
         builder = builder.config("spark.jars", local_jars)
+        if extra:
+            builder = builder.config("spark.jars.packages", ",".join(extra))
     elif not {"spark.jars", "spark.jars.packages"} & set(spark_cfg.conf) and not under_spark_submit():
-        known = resolved_delta_jars()
+        known = resolved_jars(extra)
         if known:
             builder = builder.config("spark.jars", ",".join(known))
         else:
             from delta import configure_spark_with_delta_pip
 
-            builder, resolve = configure_spark_with_delta_pip(builder), True
+            builder, resolve = configure_spark_with_delta_pip(builder, extra_packages=extra), True
     session = builder.getOrCreate()
     if resolve:
-        remember_delta_jars(session)
+        remember_jars(session, extra)
     return _remembered(session)
+
+
+def hadoop_version() -> str:
+    """The Hadoop version of the installed pyspark's jars (hadoop-client-api-X.Y.Z.jar)."""
+    import pyspark
+
+    for jar in (Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"):
+        return jar.name.removeprefix("hadoop-client-api-").removesuffix(".jar")
+    raise KFedError("cannot tell the Hadoop version of the installed pyspark: no hadoop-client-api jar in its jars")
+
+
+def filesystem_packages(paths: Sequence[str]) -> list[str]:
+    """The Maven packages of the Hadoop filesystems that paths need beyond Spark's own: hadoop-aws for
+    s3a:// (at the Hadoop version pyspark ships: S3A and the Hadoop client must match)."""
+    schemes = {urlparse(str(path)).scheme for path in paths}
+    return [f"org.apache.hadoop:hadoop-aws:{hadoop_version()}"] if "s3a" in schemes else []
 
 
 def in_background(work: Callable[..., T], *args) -> Future[T]:
@@ -152,8 +172,10 @@ def cache_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kfed-spark"
 
 
-def resolved_jars_file() -> Path:
-    return cache_folder() / f"{delta_package()}.jars"
+def resolved_jars_file(extra: Sequence[str] = ()) -> Path:
+    """Where the jars that Delta's package (and the extra packages) resolved to are listed."""
+    name = "+".join([delta_package(), *(package.replace(":", "_") for package in extra)])
+    return cache_folder() / f"{name}.jars"
 
 
 def jvm_archive_file() -> Path | None:
@@ -207,21 +229,22 @@ def write_jvm_archive(target: Path, work: Path) -> int:
     return target.stat().st_size
 
 
-def resolved_delta_jars() -> list[str] | None:
-    """The local jars Ivy resolved Delta's package to at an earlier start, if they are all still there.
-    Naming them skips the resolution, its 30-line report on every start, and a second of start-up."""
+def resolved_jars(extra: Sequence[str] = ()) -> list[str] | None:
+    """The local jars Ivy resolved Delta's package (and the extra packages) to at an earlier start, if they
+    are all still there. Naming them skips the resolution, its 30-line report on every start, and a second
+    of start-up."""
     try:
-        jars = resolved_jars_file().read_text().split()
+        jars = resolved_jars_file(extra).read_text().split()
     except OSError:
         return None
     return jars if jars and all(Path(jar).is_file() for jar in jars) else None
 
 
-def remember_delta_jars(session: SparkSession) -> None:
+def remember_jars(session: SparkSession, extra: Sequence[str] = ()) -> None:
     jars = [urlparse(jar).path for jar in session.sparkContext.getConf().get("spark.jars", "").split(",") if jar]
     if jars:
         try:
-            target = resolved_jars_file()
+            target = resolved_jars_file(extra)
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f"{target.name}.{os.getpid()}")
             partial.write_text("\n".join(jars) + "\n")

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import TypeVar
+from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -134,13 +135,47 @@ def sql_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def filesystem_of(path: str) -> tuple[pafs.FileSystem, str] | None:
-    """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://) and the path in it;
-    None for a scheme pyarrow does not know (s3a:, abfss:), where the checks that need it are skipped."""
+def filesystem_of(
+    path: str, hadoop_setting: Callable[[str], str | None] = lambda key: None
+) -> tuple[pafs.FileSystem, str] | None:
+    """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://, and s3a:// as Spark's S3A
+    reaches it: s3a_filesystem) and the path in it; None for a scheme pyarrow does not know (abfss:),
+    where the checks that need it are skipped. hadoop_setting(key) gives the session's Hadoop setting."""
+    if path.startswith("s3a://"):
+        return s3a_filesystem(path, hadoop_setting)
     try:
         return pafs.FileSystem.from_uri(path if URI_PATTERN.match(path) else "file://" + path)
     except Exception:  # pyarrow raises ArrowInvalid or ArrowNotImplementedError for unknown schemes
         return None
+
+
+def s3a_filesystem(path: str, hadoop_setting: Callable[[str], str | None]) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's S3 filesystem with the S3A settings Spark writes the tables with (fs.s3a.endpoint, its
+    keys, region and path-style access, a bucket's own fs.s3a.bucket.<name>.* first), so that the report
+    files land in the same store; credentials that S3A takes from elsewhere come from pyarrow's own chain
+    (AWS_* variables, the instance's role)."""
+    where = urlparse(path)
+    bucket = where.netloc
+
+    def setting(key: str) -> str | None:
+        return hadoop_setting(f"fs.s3a.bucket.{bucket}.{key}") or hadoop_setting(f"fs.s3a.{key}")
+
+    options: dict = {
+        "access_key": setting("access.key"),
+        "secret_key": setting("secret.key"),
+        "session_token": setting("session.token"),
+        "region": setting("endpoint.region"),
+    }
+    endpoint = setting("endpoint")
+    if endpoint:
+        server = urlparse(endpoint if "://" in endpoint else f"//{endpoint}")
+        secure = (setting("connection.ssl.enabled") or "true").lower() != "false"
+        options.update(
+            endpoint_override=server.netloc,
+            scheme=server.scheme or ("https" if secure else "http"),
+            force_virtual_addressing=(setting("path.style.access") or "false").lower() != "true",
+        )
+    return pafs.S3FileSystem(**{k: v for k, v in options.items() if v is not None}), f"{bucket}{where.path}".rstrip("/")
 
 
 def attempt_filter(run_id: str, attempt_id: str) -> str:
@@ -164,6 +199,10 @@ class TableStore:
 
     def path(self, name: str) -> str:
         return self.locations.get(name) or f"{self.root}/{name}"
+
+    def filesystem(self, path: str) -> tuple[pafs.FileSystem, str] | None:
+        """filesystem_of(path), with this session's Hadoop settings."""
+        return filesystem_of(path, lambda key: self.spark.conf.get(f"spark.hadoop.{key}", None))
 
     def source(self, name: str) -> str:
         """The table in SQL, by path."""

@@ -21,7 +21,6 @@ from kfed_spark.store.delta import (
     attempt_filter,
     column_ddl,
     concurrently,
-    filesystem_of,
     log,
     stored_field,
 )
@@ -40,7 +39,7 @@ class LocationChecks(TableStore):
     def check_writable(self) -> None:
         """The output location is a folder this process can create files in (a probe file is made
         and removed), or a one-line error. Skipped for schemes pyarrow does not know."""
-        located = filesystem_of(self.root)
+        located = self.filesystem(self.root)
         if located is None:
             return
         filesystem, root = located
@@ -58,7 +57,7 @@ class LocationChecks(TableStore):
     def check_log(self, name: str) -> bool:
         """Whether a Delta table is at the table's path; a folder there that is not an intact Delta
         table (files but no _delta_log, or a log missing commits) is refused with a one-line error."""
-        located = filesystem_of(self.path(name))
+        located = self.filesystem(self.path(name))
         if located is None:
             return self.exists(name)
         filesystem, path = located
@@ -222,7 +221,7 @@ class AttemptWrites(TableStore):
                 self.spark.sql(f"DELETE FROM {self.source(name)} WHERE {attempt_filter(run_id, attempt_id)}")
 
         concurrently(delete, list(DATA_TABLES))
-        located = filesystem_of(self.report_dir(run_id, attempt_id))
+        located = self.filesystem(self.report_dir(run_id, attempt_id))
         if located is not None:
             filesystem, folder = located
             if filesystem.get_file_info(folder).type == pafs.FileType.Directory:
@@ -235,7 +234,7 @@ class RunReports(TableStore):
     def write_report(self, run_id: str, attempt_id: str, files: dict[str, bytes]) -> None:
         """The attempt's report files under <root>/reports/<run_id>/<attempt_id>/ (any filesystem pyarrow knows)."""
         self.attempts_begun.add((run_id, attempt_id))
-        located = filesystem_of(self.report_dir(run_id, attempt_id))
+        located = self.filesystem(self.report_dir(run_id, attempt_id))
         if located is None:
             log.warning("no report written: pyarrow cannot write to %s", self.root)
             return
@@ -256,7 +255,7 @@ class RunReports(TableStore):
             if self.exists("runs")
             else []
         )
-        located = filesystem_of(f"{self.report_dir(run_id, rows[0].attempt_id)}/{name}") if rows else None
+        located = self.filesystem(f"{self.report_dir(run_id, rows[0].attempt_id)}/{name}") if rows else None
         if located is None:
             raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}")
         filesystem, path = located
@@ -268,7 +267,7 @@ class RunReports(TableStore):
 
     def report_files(self, run_id: str, attempt_id: str) -> dict[str, bytes]:
         """Every file of an attempt's report by name; none where it wrote none (or pyarrow cannot read there)."""
-        located = filesystem_of(self.report_dir(run_id, attempt_id))
+        located = self.filesystem(self.report_dir(run_id, attempt_id))
         if located is None:
             return {}
         filesystem, folder = located
