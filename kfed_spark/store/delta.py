@@ -223,10 +223,11 @@ class TableStore:
     def writing(self, name: str) -> Iterator[None]:
         """Hold the table's write lock while writing it, when the output is on a local disk.
 
-        Delta needs its log store to let only one writer create each commit file. On object stores
-        and HDFS the log store does; on a local disk it renames a temporary file into place, and
-        that rename overwrites, so two processes committing the same version at once both
-        "succeed" and one commit is lost. An exclusive OS lock per table makes the writes of
+        Delta needs its log store to let only one writer create each commit file. On HDFS, ADLS and
+        GCS the log store does (on S3 only within one driver, or across drivers with the DynamoDB log
+        store: LocationChecks.warn_of_single_driver_commits); on a local disk it renames a temporary
+        file into place, and that rename overwrites, so two processes committing the same version at
+        once both "succeed" and one commit is lost. An exclusive OS lock per table makes the writes of
         this machine's processes to that table take turns; Delta's conflict checks do the rest.
         """
         if URI_PATTERN.match(self.root) and not self.root.startswith("file:"):

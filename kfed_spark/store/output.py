@@ -6,6 +6,7 @@ row, the run reports beside the tables, and the views readers go through (an att
 from __future__ import annotations
 
 import uuid
+from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
@@ -31,6 +32,10 @@ from kfed_spark.store.tables import (
     STREAM_TABLES,
 )
 
+S3_SCHEMES = ("s3", "s3a", "s3n")
+MULTI_DRIVER_S3_LOG_STORE = "io.delta.storage.S3DynamoDBLogStore"
+"""Delta's log store whose commits exclude each other across drivers on S3 (delta-storage-s3-dynamodb)."""
+
 
 class LocationChecks(TableStore):
     """The checks made before any work (intact logs, the same schemas, a writable folder), and
@@ -53,6 +58,26 @@ class LocationChecks(TableStore):
             filesystem.delete_file(probe)
         except OSError as exc:
             raise KFedError(f"cannot write under output.path {self.root}: {first_line(exc)}") from None
+
+    def warn_of_single_driver_commits(self) -> None:
+        """One warning where the location is on S3 and Delta's log store for it is not the multi-driver one
+        (MULTI_DRIVER_S3_LOG_STORE): the default keeps the commits of one Spark driver apart only, so two
+        attempts of a run from two processes at once (an Airflow retry beside a slow first try) can both
+        commit the same table version, and the second overwrites the first."""
+        scheme = urlparse(self.root).scheme
+        if scheme not in S3_SCHEMES:
+            return
+        key = f"spark.delta.logStore.{scheme}.impl"
+        store = self.spark.conf.get(key, None) or self.spark.conf.get("spark.delta.logStore.class", None)
+        if store != MULTI_DRIVER_S3_LOG_STORE:
+            log.warning(
+                "output.path %s is on S3, where Delta's default log store keeps apart the commits of one Spark "
+                "driver only: overlapping runs from two processes can lose a commit; set %s=%s (see the "
+                "deployment docs, Object storage)",
+                self.root,
+                key,
+                MULTI_DRIVER_S3_LOG_STORE,
+            )
 
     def check_log(self, name: str) -> bool:
         """Whether a Delta table is at the table's path; a folder there that is not an intact Delta
@@ -146,6 +171,7 @@ class LocationChecks(TableStore):
         """
         checked = self.check(schemas) if checked is None else checked
         self.check_writable()
+        self.warn_of_single_driver_commits()
         for name, fields in checked.items():
             if fields:
                 self._add_columns(name, fields)
