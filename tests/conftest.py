@@ -321,3 +321,12 @@ def standalone_master(tmp_path_factory):
             )
         wait_for(master_log, "Registering worker", 2)
         yield StandaloneCluster(url, [logs / f"work{i}" for i in range(2)])
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """An S3 API on 127.0.0.1 with one bucket (helpers.LoopbackS3), for the tests of object storage."""
+    from helpers import loopback_s3
+
+    with loopback_s3(tmp_path_factory.mktemp("moto")) as store:
+        yield store

@@ -4,95 +4,20 @@ and by delta-rs and DuckDB through their storage options. Every command is a pro
 user starts it; the labels are compared row for row with the same run on a local folder."""
 
 import json
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
-import yaml
 from deltalake import DeltaTable
 
 from helpers import (
     MIXTURE,
     N_ROWS,
     duckdb_published,
-    free_port,
     run_cli_process,
-    servers,
-    wait_for_port,
 )
 
 pytestmark = pytest.mark.integration  # the S3 server and every command are processes of their own
-
-BUCKET = "kfed"
-KEYS = {"access.key": "loopback", "secret.key": "loopback-secret"}
-
-
-@dataclass(frozen=True)
-class LoopbackS3:
-    """An S3 API on 127.0.0.1 with one bucket, and the settings each client needs to reach it."""
-
-    endpoint: str
-
-    def url(self, key: str) -> str:
-        return f"s3a://{BUCKET}/{key}"
-
-    def config(self, template: Path, input_path: str, out: str, target: Path) -> Path:
-        """The template config with its input and output in the bucket, and S3A's settings for the bucket as
-        a user's config holds them: every command, `report` and `sql` too, reads them from the file."""
-        cfg = yaml.safe_load(template.read_text())
-        cfg["input"]["path"], cfg["output"]["path"] = input_path, out
-        settings = {"endpoint": self.endpoint, "path.style.access": "true", "endpoint.region": "us-east-1", **KEYS}
-        cfg["spark"]["conf"].update({f"spark.hadoop.fs.s3a.{key}": value for key, value in settings.items()})
-        target.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        return target
-
-    @property
-    def storage_options(self) -> dict[str, str]:
-        """delta-rs's options for the same bucket."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": KEYS["access.key"],
-            "AWS_SECRET_ACCESS_KEY": KEYS["secret.key"],
-            "AWS_REGION": "us-east-1",
-            "AWS_ALLOW_HTTP": "true",
-        }
-
-    def client(self):
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=KEYS["access.key"],
-            aws_secret_access_key=KEYS["secret.key"],
-            region_name="us-east-1",
-        )
-
-    def keys(self, prefix: str) -> list[str]:
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-        return [item["Key"] for page in pages for item in page.get("Contents", [])]
-
-    def upload(self, folder: Path, prefix: str) -> str:
-        """Every file under folder to the bucket under prefix; the prefix's s3a:// URL."""
-        client = self.client()
-        for path in sorted(folder.rglob("*")):
-            if path.is_file():
-                client.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(folder)}")
-        return self.url(prefix)
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("moto")
-    port = free_port()
-    command = [sys.executable, "-m", "moto.server", "--host", "127.0.0.1", "--port", str(port)]
-    with servers(logs) as start:
-        wait_for_port(port, start(command, {"PATH": "/usr/bin:/bin"}))
-        store = LoopbackS3(f"http://127.0.0.1:{port}")
-        store.client().create_bucket(Bucket=BUCKET)
-        yield store
 
 
 def published_rows(out: str, name: str, storage_options: dict | None, columns: list[str], order: list[str]):

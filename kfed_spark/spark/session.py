@@ -108,7 +108,7 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
     for key, value in {**conf, CONSOLE_PROGRESS: console_progress(conf)}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
-    extra = filesystem_packages(paths)
+    extra = filesystem_packages(paths) if starts_spark else []  # a JVM that is up has its jars
     resolve = False
     if local_jars:
         builder = builder.config("spark.jars", local_jars)
