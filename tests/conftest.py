@@ -325,8 +325,9 @@ def standalone_master(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
-    """An S3 API on 127.0.0.1 with one bucket (helpers.LoopbackS3), for the tests of object storage."""
-    from helpers import loopback_s3
+    """An S3 API on 127.0.0.1 with one bucket (kfed_spark.bench.object_store.LoopbackS3), for the tests of
+    object storage."""
+    from kfed_spark.bench.object_store import loopback_s3
 
     with loopback_s3(tmp_path_factory.mktemp("moto")) as store:
         yield store

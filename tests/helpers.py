@@ -7,12 +7,10 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from kfed_spark.config import FitSettings, InputConfig, OutputConfig
 from kfed_spark.params import AlgorithmParams
@@ -359,77 +357,3 @@ def run_cli_process(
         text=True,
         timeout=timeout,
     )
-
-
-BUCKET = "kfed"
-KEYS = {"access.key": "loopback", "secret.key": "loopback-secret"}
-
-
-@dataclass(frozen=True)
-class LoopbackS3:
-    """An S3 API on 127.0.0.1 with one bucket, and the settings each client needs to reach it."""
-
-    endpoint: str
-
-    def url(self, key: str) -> str:
-        return f"s3a://{BUCKET}/{key}"
-
-    def config(self, template: Path, input_path: str, out: str, target: Path) -> Path:
-        """The template config with its input and output in the bucket, and S3A's settings for the bucket as
-        a user's config holds them: every command, `report` and `sql` too, reads them from the file."""
-        cfg = yaml.safe_load(template.read_text())
-        cfg["input"]["path"], cfg["output"]["path"] = input_path, out
-        cfg["spark"]["conf"].update({f"spark.hadoop.{key}": value for key, value in self.s3a_settings().items()})
-        target.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        return target
-
-    def s3a_settings(self) -> dict[str, str]:
-        """Hadoop's S3A settings for the bucket (spark.hadoop.<key> in a Spark config)."""
-        settings = {"endpoint": self.endpoint, "path.style.access": "true", "endpoint.region": "us-east-1", **KEYS}
-        return {f"fs.s3a.{key}": value for key, value in settings.items()}
-
-    @property
-    def storage_options(self) -> dict[str, str]:
-        """delta-rs's options for the same bucket."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": KEYS["access.key"],
-            "AWS_SECRET_ACCESS_KEY": KEYS["secret.key"],
-            "AWS_REGION": "us-east-1",
-            "AWS_ALLOW_HTTP": "true",
-        }
-
-    def client(self):
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=KEYS["access.key"],
-            aws_secret_access_key=KEYS["secret.key"],
-            region_name="us-east-1",
-        )
-
-    def keys(self, prefix: str) -> list[str]:
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-        return [item["Key"] for page in pages for item in page.get("Contents", [])]
-
-    def upload(self, folder: Path, prefix: str) -> str:
-        """Every file under folder to the bucket under prefix; the prefix's s3a:// URL."""
-        client = self.client()
-        for path in sorted(folder.rglob("*")):
-            if path.is_file():
-                client.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(folder)}")
-        return self.url(prefix)
-
-
-@contextmanager
-def loopback_s3(logs: Path):
-    """moto's S3 server on 127.0.0.1 (stopped by pid on the way out), with the BUCKET created."""
-    port = free_port()
-    command = [sys.executable, "-m", "moto.server", "--host", "127.0.0.1", "--port", str(port)]
-    with servers(logs) as start:
-        wait_for_port(port, start(command, {"PATH": "/usr/bin:/bin"}))
-        store = LoopbackS3(f"http://127.0.0.1:{port}")
-        store.client().create_bucket(Bucket=BUCKET)
-        yield store

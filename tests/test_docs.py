@@ -12,7 +12,7 @@ from kfed_spark.bench.pages import PROVENANCE_ROW, README, SPEED_PAGE, rewritten
 
 pytestmark = pytest.mark.fast
 
-GENERATED_PAGES = ("speed.md", "quality.md", "paper.md")
+GENERATED_PAGES = ("speed.md", "quality.md", "paper.md", "s3-requests.md")
 """The pages under docs/benchmarks that the bench commands write."""
 
 COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")

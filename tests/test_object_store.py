@@ -1,7 +1,8 @@
-"""The job against object storage: a real S3 API (moto's server, on 127.0.0.1, stopped by pid), reached by
-Spark through S3A (hadoop-aws, which `kfed-spark` adds for s3a:// paths), by pyarrow for the report files,
-and by delta-rs and DuckDB through their storage options. Every command is a process of its own, as a
-user starts it; the labels are compared row for row with the same run on a local folder."""
+"""The job against object storage: a real S3 API (moto's server, on 127.0.0.1, stopped by pid, logging the
+requests it answers), reached by Spark through S3A (hadoop-aws, which `kfed-spark` adds for s3a:// paths), by
+pyarrow for the report files, and by delta-rs and DuckDB through their storage options. Every command is a
+process of its own, as a user starts it; the labels are compared row for row with the same run on a local
+folder."""
 
 import json
 from pathlib import Path
@@ -16,6 +17,7 @@ from helpers import (
     duckdb_published,
     run_cli_process,
 )
+from kfed_spark.bench.object_store import request_counts
 
 pytestmark = pytest.mark.integration  # the S3 server and every command are processes of their own
 
@@ -35,7 +37,11 @@ def test_a_run_on_the_bucket_writes_what_the_same_run_on_a_local_folder_writes(
     out = s3.url("runs-out")
     on_bucket = s3.config(config, s3.upload(Path(mixture_path), "mixture"), out, tmp_path / "bucket.yaml")
     for run_id in ("first", "second", "first"):
+        before = s3.requests_so_far()
         ran = run_cli_process("run", "--config", str(on_bucket), "--set", f"run_id={run_id}", cwd=tmp_path)
+        requests = request_counts(s3.log.read_text().splitlines()[before:], "runs-out")
+        assert requests[("mixture", "LIST")] <= 4  # the input is listed when it is read, not for every stage
+        assert all(requests[(f"{table} log", "PUT")] for table in ("labels", "centers", "local_centers", "runs"))
         assert ran.returncode == 0, ran.stderr[-3000:]
         # without Delta's multi-driver log store for S3, each run says once that overlapping runs are unsafe
         (warned,) = [line for line in ran.stderr.splitlines() if "log store" in line]

@@ -1,5 +1,5 @@
 """The benchmarks' commands and the data they generate or prepare: generate, prepare, bench,
-bench-quality, bench-paper, bench-server. kfed_spark.cli adds them to `kfed-spark`; each handler imports
+bench-quality, bench-paper, bench-server, bench-s3. kfed_spark.cli adds them to `kfed-spark`; each handler imports
 what its command needs, so that building the parser imports none of the benchmarks' tooling.
 """
 
@@ -36,6 +36,7 @@ def add_bench_commands(commands) -> None:
     add_bench_quality(commands, real_data, result_page)
     add_bench_paper(commands, real_data, result_page)
     add_bench_server(commands)
+    add_bench_s3(commands, result_page)
 
 
 def add_generate(commands) -> None:
@@ -166,6 +167,16 @@ def add_bench_server(commands) -> None:
     )
     server.add_argument("--driver-memory", default="2g", help="with --distributed: Spark driver memory (default 2g)")
     server.set_defaults(handler=command_bench_server)
+
+
+def add_bench_s3(commands, result_page: argparse.ArgumentParser) -> None:
+    s3 = commands.add_parser(
+        "bench-s3",
+        parents=[result_page],
+        help="count the S3 requests of a daily run against a loopback S3 API (moto's server)",
+    )
+    s3.add_argument("--out", default="kfed-s3", help="folder for the input, the server's log and the page")
+    s3.set_defaults(handler=command_bench_s3)
 
 
 def add_mixture_arguments(parser: argparse.ArgumentParser, defaults: dict | None = BENCH_SHAPES["few-large-devices"]):
@@ -310,6 +321,17 @@ def command_bench_paper(args: argparse.Namespace) -> int:
     write_page(text, page_targets(out / "paper.md", args.page), figures)
     print(text)
     print(f"report: {out / 'paper.md'}, {out / 'paper.json'} and the figures beside them")
+    return 0
+
+
+def command_bench_s3(args: argparse.Namespace) -> int:
+    from kfed_spark.bench.object_store import bench_s3_requests
+
+    out = Path(args.out).resolve()
+    command = command_line("bench-s3")
+    text = page("S3 requests of a daily run", bench_s3_requests(out, command), command)
+    write_page(text, page_targets(out / "s3-requests.md", args.page))
+    print(text, end="")
     return 0
 
 
