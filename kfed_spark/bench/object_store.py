@@ -27,7 +27,6 @@ from kfed_spark.errors import KFedError
 BUCKET = "kfed"
 KEYS = {"access.key": "loopback", "secret.key": "loopback-secret"}
 REQUEST_LINE = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP')
-KINDS = ("LIST", "HEAD", "GET", "PUT", "POST", "DELETE")
 
 
 @dataclass(frozen=True)
@@ -165,12 +164,22 @@ def where(key: str, out_prefix: str) -> str:
 
 
 def requests_table(counts: Counter) -> str:
-    """The counts as a markdown table, a row per place, a column per kind, with totals."""
+    """The counts as a markdown table, a row per place, a column per kind (POST and DELETE together: uploads'
+    parts, batch and single deletes), with totals."""
+    columns = {
+        "LIST": ("LIST",),
+        "HEAD": ("HEAD",),
+        "GET": ("GET",),
+        "PUT": ("PUT",),
+        "POST, DELETE": ("POST", "DELETE"),
+    }
     places = sorted({place for place, _ in counts})
-    header = "| requests to | " + " | ".join(KINDS) + " | all |\n| --- |" + " ---: |" * (len(KINDS) + 1) + "\n"
+    header = "| requests to | " + " | ".join(columns) + " | all |\n| --- |" + " ---: |" * (len(columns) + 1) + "\n"
     rows = []
     for place in [*places, "all"]:
-        values = [sum(v for (p, k), v in counts.items() if k == kind and place in (p, "all")) for kind in KINDS]
+        values = [
+            sum(v for (p, k), v in counts.items() if k in kinds and place in (p, "all")) for kinds in columns.values()
+        ]
         rows.append(f"| {place} | " + " | ".join(str(v) for v in values) + f" | {sum(values)} |")
     return header + "\n".join(rows) + "\n"
 
