@@ -31,5 +31,5 @@ def test_requests_are_counted_by_table_log_or_data_and_kind():
         ("(bucket)", "HEAD"): 1,
     }
     table = requests_table(counts)
-    assert "| labels log | 1 | 0 | 0 | 1 | 0 | 2 |" in table
-    assert table.splitlines()[-1] == "| all | 2 | 2 | 0 | 2 | 1 | 7 |"
+    assert "| labels log | 1 | 1 | 0 | 0 | 2 |" in table
+    assert table.splitlines()[-1] == "| all | 2 | 3 | 2 | 0 | 7 |"

@@ -164,15 +164,9 @@ def where(key: str, out_prefix: str) -> str:
 
 
 def requests_table(counts: Counter) -> str:
-    """The counts as a markdown table, a row per place, a column per kind (POST and DELETE together: uploads'
-    parts, batch and single deletes), with totals."""
-    columns = {
-        "LIST": ("LIST",),
-        "HEAD": ("HEAD",),
-        "GET": ("GET",),
-        "PUT": ("PUT",),
-        "POST, DELETE": ("POST", "DELETE"),
-    }
+    """The counts as a markdown table, a row per place, a column per price class of S3's requests (LIST; PUT
+    and POST, which uploads' parts and batch deletes are; GET and HEAD; DELETE), with totals."""
+    columns = {"LIST": ("LIST",), "PUT, POST": ("PUT", "POST"), "GET, HEAD": ("GET", "HEAD"), "DELETE": ("DELETE",)}
     places = sorted({place for place, _ in counts})
     header = "| requests to | " + " | ".join(columns) + " | all |\n| --- |" + " ---: |" * (len(columns) + 1) + "\n"
     rows = []
