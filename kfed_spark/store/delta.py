@@ -135,9 +135,7 @@ def sql_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def filesystem_of(
-    path: str, hadoop_setting: Callable[[str], str | None] = lambda key: None
-) -> tuple[pafs.FileSystem, str] | None:
+def filesystem_of(path: str, hadoop_setting: Callable[[str], str | None]) -> tuple[pafs.FileSystem, str] | None:
     """pyarrow's filesystem for a local path or a URI (s3://, gs://, hdfs://, and s3a:// as Spark's S3A
     reaches it: s3a_filesystem) and the path in it; None for a scheme pyarrow does not know (abfss:),
     where the checks that need it are skipped. hadoop_setting(key) gives the session's Hadoop setting."""
