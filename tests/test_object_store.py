@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
+import yaml
 from deltalake import DeltaTable
 
 from helpers import (
@@ -82,12 +83,31 @@ def run_ok(*args: str, cwd: Path) -> str:
     return ran.stdout
 
 
+def with_catalog(config: str, catalog: Path, warehouse: str) -> str:
+    """The config with output.database, its views kept in a Hive metastore (embedded Derby, as the catalog
+    page sets it up) whose warehouse is in the bucket."""
+    cfg = yaml.safe_load(Path(config).read_text())
+    cfg["output"]["database"] = "kfed"
+    cfg["spark"]["conf"].update(
+        {
+            "spark.sql.catalogImplementation": "hive",
+            "spark.sql.warehouse.dir": warehouse,
+            "spark.hadoop.javax.jdo.option.ConnectionURL": f"jdbc:derby:;databaseName={catalog};create=true",
+        }
+    )
+    target = catalog.parent / "catalog.yaml"
+    target.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(target)
+
+
 def test_every_command_works_on_the_bucket(spark, config, mixture_path, s3, tmp_path):
-    """k: auto, choose-k, report, sql, assign, a stream with its checkpoint in the bucket, forget and maintain
-    --vacuum, each a process of its own on a config whose input and output are in the bucket."""
+    """k: auto, choose-k, report, sql (and output.database's views), assign, a stream with its checkpoint in
+    the bucket, forget and maintain --vacuum, each a process of its own on a config whose input and output
+    are in the bucket."""
     out = s3.url("commands-out")
     on_bucket = str(s3.config(config, s3.upload(Path(mixture_path), "commands-in"), out, tmp_path / "bucket.yaml"))
-    run_ok("run", "--config", on_bucket, "--set", "k=auto", "--set", "k_range=[8, 16]", cwd=tmp_path)
+    cataloged = with_catalog(on_bucket, tmp_path / "metastore_db", s3.url("commands-warehouse"))
+    run_ok("run", "--config", cataloged, "--set", "k=auto", "--set", "k_range=[8, 16]", cwd=tmp_path)
     (chosen,) = duckdb_published(out, "runs", s3.storage_options).to_pylist()
     assert chosen["k"] == MIXTURE["k"] and chosen["k_sweep"]
 
@@ -100,6 +120,9 @@ def test_every_command_works_on_the_bucket(spark, config, mixture_path, s3, tmp_
     assert json.loads(run_ok("report", "--config", on_bucket, "--json", "first", cwd=tmp_path))["run_id"] == "first"
     counted = run_ok("sql", "--config", on_bucket, "SELECT count(*) AS n FROM labels", cwd=tmp_path)
     assert counted.split()[-1] == str(N_ROWS)
+    in_catalog = run_ok("sql", "--config", cataloged, "SELECT count(*) AS n FROM kfed.latest_labels", cwd=tmp_path)
+    assert in_catalog.split()[-1] == str(N_ROWS)
+    assert s3.keys("commands-warehouse/kfed.db")  # the database's folder is in the bucket too
 
     run_ok("assign", "--config", on_bucket, "--model-run", "first", "--set", "run_id=assigned", cwd=tmp_path)
     run_ok("stream", "--config", on_bucket, "--model-run", "first", "--available-now", cwd=tmp_path)
