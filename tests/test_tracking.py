@@ -5,6 +5,7 @@ must leave the attempt published and hold the run seconds at most, with MLflow's
 import os
 import socket
 import time
+from pathlib import Path
 
 import mlflow.pyfunc
 import numpy as np
@@ -15,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from helpers import (
     N_ROWS,
     clean_environment,
+    duckdb_published,
     free_port,
     published,
     run_cli,
@@ -72,8 +74,11 @@ def mlflow_warnings(stderr: str) -> list[str]:
 def test_a_published_attempt_is_logged_with_its_figures_report_and_model(
     spark, config, tmp_path, tracking_server, monkeypatch
 ):
-    """The CLI as a process of its own, which stops its Spark session before it logs the published attempt."""
+    """The CLI as a process of its own, which stops its Spark session before it logs the published attempt;
+    into an experiment made before, which keeps its artifacts where the server does."""
     out = tmp_path / "out"
+    client = MlflowClient(tracking_server)
+    client.create_experiment("kfed-test")
     tracking = ["--set", f"tracking.mlflow.uri={tracking_server}", "--set", "tracking.mlflow.experiment=kfed-test"]
     ran = run_cli_process("run", "--config", str(config), *tracking, env=user_environment(), cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -81,9 +86,9 @@ def test_a_published_attempt_is_logged_with_its_figures_report_and_model(
     (row,) = runs_of(spark, out)
     assert row.status == "succeeded" and row.mlflow_run_id and row.tracking_error is None
 
-    client = MlflowClient(tracking_server)
     run = client.get_run(row.mlflow_run_id)
     assert client.get_experiment(run.info.experiment_id).name == "kfed-test" and run.info.status == "FINISHED"
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:/") and not (out / "mlflow").exists()
     assert {key: run.data.tags[key] for key in ("kfed.run_id", "kfed.attempt_id", "kfed.output")} == {
         "kfed.run_id": "first",
         "kfed.attempt_id": row.attempt_id,
@@ -102,6 +107,34 @@ def test_a_published_attempt_is_logged_with_its_figures_report_and_model(
     model = mlflow.pyfunc.load_model(f"runs:/{row.mlflow_run_id}/model")
     assert model.metadata.get_input_schema().input_names() == ["device_id", "features"]
     labels = published(spark, out, "labels").orderBy("row_id").limit(300).toPandas()
+    rows = pd.DataFrame({"device_id": labels.device_id, "features": labels.features.map(np.asarray)})
+    assert list(model.predict(rows)) == list(labels.cluster_id)
+
+
+def test_an_experiment_that_tracking_creates_keeps_its_artifacts_where_the_tables_are(
+    spark, config, mixture_path, s3, tmp_path, tracking_server, monkeypatch
+):
+    """Tables on the bucket: the new experiment's artifacts go to <output>/mlflow in the bucket, written with
+    the config's S3A settings alone (the CLI has no AWS or MLflow variable), and MLflow reads the model there."""
+    out = s3.url("tracked-out")
+    on_bucket = s3.config(config, s3.upload(Path(mixture_path), "tracked-in"), out, tmp_path / "bucket.yaml")
+    tracking = ["--set", f"tracking.mlflow.uri={tracking_server}", "--set", "tracking.mlflow.experiment=kfed-bucket"]
+    ran = run_cli_process("run", "--config", str(on_bucket), *tracking, env=user_environment(), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert not mlflow_warnings(ran.stderr)
+    (row,) = duckdb_published(out, "runs", s3.storage_options).to_pylist()
+
+    run = MlflowClient(tracking_server).get_run(row["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.info.artifact_uri == f"s3://kfed/tracked-out/mlflow/{row['mlflow_run_id']}/artifacts"
+    artifacts = f"tracked-out/mlflow/{row['mlflow_run_id']}/artifacts"
+    assert {f"{artifacts}/report/report.json", f"{artifacts}/model/MLmodel"} <= set(s3.keys(artifacts))
+
+    for key, value in s3.storage_options.items():  # MLflow reads S3 with boto3, which takes the AWS_* variables
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)
+    model = mlflow.pyfunc.load_model(f"runs:/{row['mlflow_run_id']}/model")
+    labels = duckdb_published(out, "labels", s3.storage_options).sort_by("row_id").slice(0, 300).to_pandas()
     rows = pd.DataFrame({"device_id": labels.device_id, "features": labels.features.map(np.asarray)})
     assert list(model.predict(rows)) == list(labels.cluster_id)
 

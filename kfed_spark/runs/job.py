@@ -129,9 +129,10 @@ def run(
         ledger.supersede_others(attempt, runs_now)
     if tracking is not None:
         report = tables.report_files(row.run_id, row.attempt_id)
+        artifacts_store = tables.filesystem(tracking.artifacts_folder)  # the session's settings, read before it stops
         if own_session:
             spark.stop()
-        tracking.finish(cfg, row, report, clustering)
+        tracking.finish(cfg, row, report, clustering, artifacts_store)
     log.info(
         "run %s: %d rows labelled, %d quarantined, cost %.6g",
         run_id,

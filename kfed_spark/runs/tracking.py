@@ -3,7 +3,9 @@
 With `tracking.mlflow` in the config, an attempt's MLflow run is created as the attempt starts, and after
 the publish it gets the settings as parameters, the counts, cost, ARI and stage timings as metrics, the
 report files, and the model as an MLflow pyfunc model with a signature (rows of device_id and features in,
-cluster_id out), which labels rows with numpy alone, as the job's workers do. Tags link the MLflow run back
+cluster_id out), which labels rows with numpy alone, as the job's workers do. An experiment that tracking
+creates keeps its artifacts where the tables are (<output>/mlflow), written with the tables' own filesystem
+settings, so that a run on a bucket needs no second set of credentials for MLflow. Tags link the MLflow run back
 to the run id, the attempt and the output location, and the attempt's row of `runs` records the MLflow run
 id. Each moment is bounded (AttemptTracking). Tracking can never unpublish an attempt or change the exit
 code: a failure is a warning (and the row's tracking_error, when the MLflow run could not be created).
@@ -19,7 +21,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 from urllib.parse import urlparse
@@ -27,10 +29,12 @@ from urllib.request import getproxies, proxy_bypass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from kfed_spark.config import MlflowTracking
 from kfed_spark.errors import first_line
+from kfed_spark.spark.input import URI_PATTERN
 
 log = logging.getLogger("kfed_spark")
 
@@ -39,6 +43,8 @@ T = TypeVar("T")
 LOCAL_CENTERS_FILE = "local_centers.parquet"
 GLOBAL_FILE = "global.npz"
 SETTINGS_FILE = "settings.json"
+ARTIFACTS_FOLDER = "mlflow"
+"""Under the output location: the artifacts of the MLflow runs in experiments that tracking created."""
 
 
 class Bounded(Generic[T]):
@@ -83,6 +89,7 @@ class AttemptTracking:
 
     def __init__(self, settings: MlflowTracking, row, output_root: str):
         self.settings = settings
+        self.artifacts_folder = f"{output_root}/{ARTIFACTS_FOLDER}"
         self.created = Bounded(settings.timeout_s, create_mlflow_run, settings, row, output_root)
 
     def columns(self) -> dict[str, str | None]:
@@ -90,12 +97,22 @@ class AttemptTracking:
         mlflow_run_id, error = self.created.outcome()
         return {"mlflow_run_id": mlflow_run_id, "tracking_error": error}
 
-    def finish(self, cfg, row, report: dict[str, bytes], clustering) -> None:
-        """Log the published attempt (its final runs row `row`, its report files) to its MLflow run. Never raises."""
+    def finish(self, cfg, row, report: dict[str, bytes], clustering, artifacts_store: Located | None) -> None:
+        """Log the published attempt (its final runs row `row`, its report files) to its MLflow run.
+        artifacts_store: the filesystem of artifacts_folder, with the tables' settings. Never raises."""
         mlflow_run_id, error = row.mlflow_run_id, row.tracking_error
         if mlflow_run_id is not None:
+            artifacts = Artifacts(self.artifacts_folder, artifacts_store)
             _, error = Bounded(
-                self.settings.timeout_s, log_attempt, self.settings, mlflow_run_id, cfg, row, report, clustering
+                self.settings.timeout_s,
+                log_attempt,
+                self.settings,
+                mlflow_run_id,
+                cfg,
+                row,
+                report,
+                clustering,
+                artifacts,
             ).outcome()
         if error is None:
             log.info("run %s: attempt %s logged to MLflow as run %s", row.run_id, row.attempt_id, mlflow_run_id)
@@ -112,6 +129,37 @@ class AttemptTracking:
         mlflow_run_id, _ = self.created.outcome()
         if mlflow_run_id is not None:
             Bounded(self.settings.timeout_s, terminated, self.settings, mlflow_run_id, "FAILED").outcome()
+
+
+Located = tuple[pafs.FileSystem, str]
+"""A filesystem and a path in it."""
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """Where the experiments that tracking creates keep their artifacts: folder (under the output location),
+    reached through store, the tables' filesystem for it (None where pyarrow does not know its scheme)."""
+
+    folder: str
+    store: Located | None
+
+    def upload(self, client, mlflow_run_id: str, folder: Path) -> None:
+        """Every file under folder to the MLflow run's artifacts: with the tables' filesystem where the run
+        keeps them under this folder, through MLflow's client elsewhere (an experiment created before)."""
+        artifact_uri = client.get_run(mlflow_run_id).info.artifact_uri
+        ours = mlflow_uri(self.folder)
+        if self.store is None or not artifact_uri.startswith(ours + "/"):
+            client.log_artifacts(mlflow_run_id, str(folder))
+            return
+        filesystem, base = self.store
+        pafs.copy_files(str(folder), base + artifact_uri.removeprefix(ours), destination_filesystem=filesystem)
+
+
+def mlflow_uri(folder: str) -> str:
+    """A folder as MLflow names it: s3a:// is MLflow's s3://, a local folder a file: URI."""
+    if folder.startswith("s3a://"):
+        return "s3://" + folder.removeprefix("s3a://")
+    return folder if URI_PATTERN.match(folder) else Path(folder).as_uri()
 
 
 def client_of(settings: MlflowTracking):
@@ -132,11 +180,15 @@ def client_of(settings: MlflowTracking):
 
 
 def create_mlflow_run(settings: MlflowTracking, row, output_root: str) -> str:
-    """A new MLflow run for the attempt, in the configured experiment (created if missing), tagged with
-    what leads back to the tables; its id."""
+    """A new MLflow run for the attempt, in the configured experiment (created if missing, with its artifacts
+    under <output_root>/mlflow), tagged with what leads back to the tables; its id."""
     client = client_of(settings)
     experiment = client.get_experiment_by_name(settings.experiment)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(settings.experiment)
+    if experiment is None:
+        location = mlflow_uri(f"{output_root}/{ARTIFACTS_FOLDER}")
+        experiment_id = client.create_experiment(settings.experiment, artifact_location=location)
+    else:
+        experiment_id = experiment.experiment_id
     tags = {
         "kfed.run_id": row.run_id,
         "kfed.attempt_id": row.attempt_id,
@@ -150,7 +202,9 @@ def terminated(settings: MlflowTracking, mlflow_run_id: str, status: str) -> Non
     client_of(settings).set_terminated(mlflow_run_id, status)
 
 
-def log_attempt(settings: MlflowTracking, mlflow_run_id: str, cfg, row, report: dict[str, bytes], clustering) -> None:
+def log_attempt(
+    settings: MlflowTracking, mlflow_run_id: str, cfg, row, report: dict[str, bytes], clustering, artifacts: Artifacts
+) -> None:
     """The published attempt's settings, figures, report files and model, logged to its MLflow run, then FINISHED."""
     from mlflow.entities import Metric, Param
 
@@ -179,10 +233,8 @@ def log_attempt(settings: MlflowTracking, mlflow_run_id: str, cfg, row, report: 
                 folder.mkdir()
                 for name, data in report.items():
                     (folder / name).write_bytes(data)
-                client.log_artifacts(mlflow_run_id, str(folder), "report")
-            model = Path(work, "model")
-            save_pyfunc_model(model, clustering, row.label_mode)
-            client.log_artifacts(mlflow_run_id, str(model), "model")
+            save_pyfunc_model(Path(work, "model"), clustering, row.label_mode)
+            artifacts.upload(client, mlflow_run_id, Path(work))
     except BaseException:
         client.set_terminated(mlflow_run_id, "FAILED")
         raise
