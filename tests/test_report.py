@@ -1,7 +1,6 @@
 """The run report (report.json, report.html, `kfed-spark report`) and real datasets prepared as input."""
 
 import base64
-import html
 import json
 import re
 from html.parser import HTMLParser
@@ -82,34 +81,49 @@ def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, published_
 
 
 @pytest.mark.spark
-def test_a_run_on_an_iid_shuffle_of_the_mixture_warns_and_the_generated_one_does_not(
+def test_with_the_report_off_a_run_on_an_iid_shuffle_of_the_mixture_warns_and_the_generated_one_does_not(
     spark, published_run, tmp_path, caplog
 ):
-    generated = json.loads((report_folder(published_run[1], "first") / "report.json").read_text())
-    assert generated["heterogeneity"]["looks_iid"] is False
-    assert generated["heterogeneity"]["clusters_per_device_in_effect"] == pytest.approx(
-        MIXTURE["k_per_device"], rel=0.1
-    )
+    """The heterogeneity check rests on the sample the labelling pass gathers whatever the report setting: runs
+    with `report: false`, as production keeps them, warn (once) on the shuffle and record the figures in runs;
+    the published run with its report records what its report shows."""
+    config, published_out = published_run
+    generated_report = json.loads((report_folder(published_out, "first") / "report.json").read_text())
+    (published_row,) = runs_of(spark, published_out)
+    spread = generated_report["heterogeneity"]
+    assert spread["looks_iid"] is False
+    assert published_row.clusters_per_device_in_effect == spread["clusters_per_device_in_effect"]
+    assert published_row.clusters_in_effect == spread["clusters_in_effect"]
 
     table = mixture(**MIXTURE)
     shuffled = table.set_column(
         1, "device_id", pa.array(np.random.default_rng(0).permutation(table.column("device_id").to_numpy()))
     )
-    (tmp_path / "iid").mkdir()
-    pq.write_table(shuffled, tmp_path / "iid" / "part-0.parquet")
-    settings = yaml.safe_load(published_run[0].read_text())
-    settings["input"]["path"], settings["output"]["path"] = str(tmp_path / "iid"), str(tmp_path / "out")
-    config = tmp_path / "iid.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    assert main(["run", "--config", str(config)]) == 0
-    shuffled_report = json.loads((report_folder(tmp_path / "out", "first") / "report.json").read_text())
-    assert shuffled_report["heterogeneity"]["looks_iid"] is True
-    warnings = [
-        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "look alike (IID)" in r.getMessage()
-    ]
-    assert warnings == [f"run first: {report.iid_warning(shuffled_report['heterogeneity'])}"]
-    page = (report_folder(tmp_path / "out", "first") / "report.html").read_text()
-    assert "WARNING: the devices look alike (IID)" in html.unescape(page)
+    rows = {}
+    for name, data in (("generated", table), ("iid", shuffled)):
+        (tmp_path / name).mkdir()
+        pq.write_table(data, tmp_path / name / "part-0.parquet")
+        settings = yaml.safe_load(config.read_text())
+        settings["input"]["path"], settings["output"]["path"] = str(tmp_path / name), str(tmp_path / f"{name}-out")
+        settings["report"] = False
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(settings))
+        caplog.clear()
+        assert main(["run", "--config", str(tmp_path / f"{name}.yaml"), "--set", f"run_id={name}"]) == 0
+        assert not (tmp_path / f"{name}-out" / "reports").exists()
+        (rows[name],) = runs_of(spark, tmp_path / f"{name}-out")
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "(IID)" in r.getMessage()]
+        assert len(warned) == (name == "iid"), warned
+
+    generated, iid = rows["generated"], rows["iid"]
+    assert generated.clusters_per_device_in_effect == pytest.approx(MIXTURE["k_per_device"], rel=0.1)
+    assert iid.clusters_per_device_in_effect > report.IID_SHARE * iid.clusters_in_effect
+    spread = {
+        "clusters_per_device_in_effect": iid.clusters_per_device_in_effect,
+        "clusters_in_effect": iid.clusters_in_effect,
+        "sqrt_k": np.sqrt(iid.k),
+        "looks_iid": True,
+    }
+    assert warned == [f"run iid: {report.iid_warning(spread)}"]
 
 
 @pytest.mark.spark
@@ -180,11 +194,13 @@ def test_the_heterogeneity_check_tells_a_mixture_from_an_iid_shuffle_of_its_rows
     table = mixture(**generated)
     x, devices = feature_matrix(table.column("features")), table.column("device_id").to_numpy()
     rng = np.random.default_rng(1)
-    sample = rng.choice(len(x), report.SILHOUETTE_SAMPLE_ROWS, replace=False)
+    sample = rng.choice(len(x), report.SAMPLE_ROWS, replace=False)
     for partition, iid in ((devices, False), (rng.permutation(devices), True)):
         fitted = federated_kmeans(x, partition, AlgorithmParams(k=generated["k"], k_per_device=k_per_device, seed=1))
         spread = report.heterogeneity(x[sample], partition[sample], fitted.server.centers)
         assert spread["looks_iid"] is iid and (report.iid_warning(spread) is not None) is iid, spread
+        ((_, shown),) = report._heterogeneity_lines(spread)  # the report's line, warning included
+        assert ("WARNING: the devices look alike (IID)" in shown) is iid
         assert spread["sqrt_k"] == pytest.approx(np.sqrt(generated["k"]))
         held = spread["clusters_per_device_in_effect"]
         assert held == pytest.approx(spread["clusters_in_effect"] if iid else generated["k_per_device"], rel=0.15)

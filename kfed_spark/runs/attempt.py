@@ -65,6 +65,8 @@ class RunResult:
     cost: float
     ari: float | None
     truth_cost: float | None
+    clusters_per_device_in_effect: float | None  # the heterogeneity check's (report.heterogeneity)
+    clusters_in_effect: float | None
     output_path: str
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -106,9 +108,8 @@ def write_attempt(
         with timer.stage("labels"):
             counted, labelled = write_labels(tables, attempt, cfg, context.raw_schema, clustering)
         evaluation = counted.evaluation
-        iid = report.iid_warning(
-            report.heterogeneity(evaluation.sample_x, evaluation.sample_devices, clustering.server.centers)
-        )
+        spread = report.heterogeneity(evaluation.sample_x, evaluation.sample_devices, clustering.server.centers)
+        iid = report.iid_warning(spread)
         if iid:
             log.warning("run %s: %s", attempt.run_id, iid)
         result = run_result(
@@ -117,6 +118,7 @@ def write_attempt(
             tables,
             clustering,
             counted,
+            spread,
             timer,
             cfg.algorithm.privacy_epsilon is not None,
         )
@@ -177,7 +179,7 @@ def write_labels(
     """
     spec = EvaluationSpec.of(
         cfg.input.truth_col,
-        report.SILHOUETTE_SAMPLE_ROWS if cfg.report else 0,
+        report.SAMPLE_ROWS,
         int(clustering.local.counts.sum()),
         cfg.algorithm.seed,
     )
@@ -206,7 +208,7 @@ def write_labels(
         n_input - n_quarantined,
         n_quarantined,
         float(out["cost"] or 0.0),
-        Evaluation.merge(out["evaluation"], report.SILHOUETTE_SAMPLE_ROWS, clustering.dim),
+        Evaluation.merge(out["evaluation"], report.SAMPLE_ROWS, clustering.dim),
     )
     return counted, labelled
 
@@ -280,11 +282,12 @@ def run_result(
     tables: OutputTables,
     clustering: Clustering,
     counted: LabelledRows,
+    spread: dict,
     timer: StageTimer,
     private: bool,
 ) -> RunResult:
-    """The run's figures; with private (privacy_epsilon) the shared counts are noisy, so the rows held back are
-    not known."""
+    """The run's figures, with the heterogeneity check's (spread: report.heterogeneity); with private
+    (privacy_epsilon) the shared counts are noisy, so the rows held back are not known."""
     evaluation = counted.evaluation
     n_devices = evaluation.device_clusters.index.get_level_values(0).nunique()
     fitted = parent_run_id is None
@@ -303,6 +306,7 @@ def run_result(
         cost=counted.cost,
         ari=None if evaluation.cells is None else ari_of(evaluation.cells),
         truth_cost=evaluation.truth_cost,
+        **report.spread_columns(spread),
         output_path=tables.root,
         timings=timer.seconds,
     )
@@ -394,6 +398,8 @@ RESULT_COLUMNS = (
     "cost",
     "ari",
     "truth_cost",
+    "clusters_per_device_in_effect",
+    "clusters_in_effect",
 )
 
 

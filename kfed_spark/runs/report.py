@@ -17,8 +17,9 @@ from kfed_spark.core.k_sweep import KSweep
 from kfed_spark.core.linalg import nearest_center
 from kfed_spark.core.metrics import ari_of, clusters_in_effect, matched_accuracy_of, nmi_of, silhouette
 
-SILHOUETTE_SAMPLE_ROWS = 2000
-"""Rows (a seeded sample) the silhouette is computed on: it needs all their pairwise distances."""
+SAMPLE_ROWS = 2000
+"""Rows (a seeded sample that the labelling pass gathers, with the report or without) that the silhouette
+and the heterogeneity check work from: the silhouette needs all their pairwise distances."""
 
 SAME_DEVICE_PAIRS_NEEDED = 100
 """Pairs of sampled rows of the same device below which the heterogeneity check says nothing."""
@@ -98,6 +99,13 @@ def heterogeneity(sample_x: np.ndarray, sample_devices: np.ndarray, centers: np.
         "same_device_pairs": pairs,
         "looks_iid": bool(pairs >= SAME_DEVICE_PAIRS_NEEDED and per_device > IID_SHARE * overall),
     }
+
+
+def spread_columns(spread: dict) -> dict[str, float | None]:
+    """The runs row's figures of the heterogeneity check: null where too few same-device pairs were sampled
+    to conclude anything."""
+    known = spread["same_device_pairs"] >= SAME_DEVICE_PAIRS_NEEDED
+    return {name: spread[name] if known else None for name in ("clusters_per_device_in_effect", "clusters_in_effect")}
 
 
 def iid_warning(spread: dict) -> str | None:

@@ -220,6 +220,8 @@ def log_attempt(
             cost=row.cost,
             ari=row.ari,
             truth_cost=row.truth_cost,
+            clusters_per_device_in_effect=row.clusters_per_device_in_effect,
+            clusters_in_effect=row.clusters_in_effect,
         )
         figures.update({f"seconds_{stage}": seconds for stage, seconds in (row.timings or {}).items()})
         client.log_batch(

@@ -122,6 +122,11 @@ COLUMN_COMMENTS = {
     "privacy_epsilon": "the budget each device spent: its shared local centers and counts are (epsilon, delta)-"
     "differentially private per row (docs: privacy.md); null: no privacy",
     "privacy_delta": "the delta of that guarantee; null: no privacy",
+    "clusters_per_device_in_effect": "how many global clusters the rows of one device lie in, in effect (from a "
+    "seeded sample of rows, by nearest global center): few (about k_per_device) when the devices differ, near "
+    "clusters_in_effect when they look alike (IID); null when the sample holds too few rows of one device",
+    "clusters_in_effect": "how many global clusters all the rows lie in, in effect (the same sample); null "
+    "when clusters_per_device_in_effect is",
     "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
     "ari": "adjusted Rand index against the truth column, if the input has one",
     "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
@@ -319,6 +324,8 @@ class RunRecord:
     forgotten_devices: int | None = _column(IntegerType())
     privacy_epsilon: float | None = _column(DoubleType())
     privacy_delta: float | None = _column(DoubleType())
+    clusters_per_device_in_effect: float | None = _column(DoubleType())
+    clusters_in_effect: float | None = _column(DoubleType())
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> RunRecord:
