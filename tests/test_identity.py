@@ -159,7 +159,11 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     persistent = range(K - 1)  # planted cluster K - 1 is gone on day 2, K is new
     assert sum(before[t] == after[t] for t in persistent) >= 18
     assert after[K] not in before.values() and after[K] > max(before.values())
-    changes = sql("SELECT cluster_id, status, reference_run_id, center_shift FROM latest_cluster_changes", out, capsys)
+    changes = sql(
+        "SELECT cluster_id, status, reference_run_id, center_shift, relative_shift FROM latest_cluster_changes",
+        out,
+        capsys,
+    )
     status = dict(zip(changes.cluster_id.astype(int), changes.status))
     assert status[after[K]] == "new" and status[before[K - 1]] == "retired"
     assert set(changes.reference_run_id) == {"day-1"}
@@ -174,6 +178,25 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     )
     [row] = [r for r in runs_of(spark, out) if r.run_id == "day-2"]
     assert (row.identity_mode, row.reference_run_id, row.highest_cluster_id) == ("stable", "day-1", max(after.values()))
+    # The drift figures: one planted cluster of K replaced, one moved.
+    sizes = (
+        sql(
+            "SELECT status, sum(n_points) AS n, sum(reference_n_points) AS r FROM latest_cluster_changes "
+            "GROUP BY status",
+            out,
+            capsys,
+        )
+        .set_index("status")
+        .astype(float)
+    )
+    assert row.share_in_new_clusters == pytest.approx(sizes.n["new"] / sizes.n.sum()) and 0 < row.share_in_new_clusters
+    assert row.share_in_retired_clusters == pytest.approx(sizes.r["retired"] / sizes.r.sum())
+    assert 0 < row.share_in_retired_clusters < 2 / K and 0 <= row.cluster_mix_psi < 0.1
+    assert row.largest_relative_shift == pytest.approx(kept.relative_shift.astype(float).max(), rel=1e-5)  # as printed
+    # Day 2 replaced 15% of the 200 devices; each device holds 4 clusters evenly, so its largest is a toss-up.
+    moved = sql("SELECT sum(size(devices_in)) AS n FROM latest_cluster_changes", out, capsys).n.astype(int)[0]
+    assert row.share_of_devices_moved == moved / 170 and moved > 0
+    assert "cluster mix PSI" in (folder / "report.html").read_text()
 
     # Each row's distance and margin, against numpy from the published centers; the squares add up to the cost.
     labels = published(spark, out, "labels").filter("run_id = 'day-2'").toArrow()
@@ -198,6 +221,15 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
         "SELECT status, count(*) AS n FROM latest_cluster_changes GROUP BY status ORDER BY status", out, capsys
     )
     assert dict(zip(changes.status, changes.n.astype(int))) == {"new": K, "retired": K}
+    [unrelated] = [r for r in runs_of(spark, out) if r.run_id == "other"]
+    assert (unrelated.share_in_new_clusters, unrelated.share_in_retired_clusters) == (1.0, 1.0)
+    assert (unrelated.cluster_mix_psi, unrelated.largest_relative_shift) == (None, None)
+
+    # Another run id over day 1's input against day 1: no drift at all.
+    assert run_cli(config, "run_id=day-1-again", "identity.reference=day-1") == 0
+    [again] = [r for r in runs_of(spark, out) if r.run_id == "day-1-again"]
+    assert (again.cluster_mix_psi, again.share_in_new_clusters, again.share_in_retired_clusters) == (0.0, 0.0, 0.0)
+    assert again.share_of_devices_moved == 0.0 and again.largest_relative_shift < 1e-6  # the same centers, to rounding
 
 
 @pytest.mark.spark
@@ -214,6 +246,8 @@ def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, 
                 *("k_sweep", "mlflow_run_id", "tracking_error"),
                 *("min_center_points", "n_rows_held_back", "n_devices_held_back", "forgotten_devices"),
                 *("privacy_epsilon", "privacy_delta", "clusters_per_device_in_effect", "clusters_in_effect"),
+                *("cluster_mix_psi", "share_in_new_clusters", "share_in_retired_clusters", "largest_relative_shift"),
+                "share_of_devices_moved",
             ],
         ),
         ("labels", ["distance", "margin"]),

@@ -33,6 +33,19 @@ center (pooled over the two runs) is a new cluster, not the old one moved."""
 
 KEPT, NEW, RETIRED = "kept", "new", "retired"
 
+PSI_FLOOR = 0.5
+"""Rows a kept cluster counts at least in the population stability index, whose log ratio an empty
+cluster would make infinite."""
+
+DRIFT_COLUMNS = (
+    "cluster_mix_psi",
+    "share_in_new_clusters",
+    "share_in_retired_clusters",
+    "largest_relative_shift",
+    "share_of_devices_moved",
+)
+"""The runs row's figures of how a run's clusters moved from its reference run's (drift())."""
+
 
 @dataclass(frozen=True)
 class ClusterSummary:
@@ -170,6 +183,36 @@ def largest_share(devices: np.ndarray, clusters: np.ndarray, counts: np.ndarray)
     )
     frame = frame.sort_values(["device_id", "n_points", "cluster_id"], ascending=[True, False, True], kind="stable")
     return frame.drop_duplicates("device_id").set_index("device_id")["cluster_id"]
+
+
+def drift(changes: pa.Table, now: pd.Series, reference: ReferenceRun | None) -> dict[str, float | None]:
+    """How far a run moved from its reference run, in one figure each (DRIFT_COLUMNS), from its cluster_changes
+    rows and its devices' largest shares (`now`): the population stability index of the cluster mix over the
+    kept clusters (sum of (p - q) ln(p / q), 0 for the same mix; above 0.25 is commonly read as a shift), the
+    share of the run's rows in new clusters and of the reference's rows in retired ones, the largest center
+    shift over its spread, and the share of the devices in both runs whose largest cluster changed. All None
+    without a reference run."""
+    if reference is None:
+        return dict.fromkeys(DRIFT_COLUMNS)
+    status = np.asarray(changes.column("status").to_pylist())
+    n_points = np.asarray(changes.column("n_points").to_pylist(), dtype=np.float64)
+    reference_n = np.asarray(changes.column("reference_n_points").to_pylist(), dtype=np.float64)
+    kept = status == KEPT
+    p, q = np.maximum(n_points[kept], PSI_FLOOR), np.maximum(reference_n[kept], PSI_FLOOR)
+    p, q = p / p.sum(), q / q.sum()
+    shifts = [v for v, k in zip(changes.column("relative_shift").to_pylist(), kept, strict=True) if k and v is not None]
+    in_both = len(now.index.intersection(reference.largest_share.index))
+    moved = sum(len(devices) for devices in changes.column("devices_in").to_pylist())
+    current_rows, reference_rows = np.nansum(n_points[status != RETIRED]), np.nansum(reference_n[status != NEW])
+    return {
+        "cluster_mix_psi": float(np.sum((p - q) * np.log(p / q))) if kept.any() else None,
+        "share_in_new_clusters": float(n_points[status == NEW].sum() / current_rows) if current_rows else None,
+        "share_in_retired_clusters": float(reference_n[status == RETIRED].sum() / reference_rows)
+        if reference_rows
+        else None,
+        "largest_relative_shift": max(shifts, default=None),
+        "share_of_devices_moved": moved / in_both if in_both else None,
+    }
 
 
 def changes_table(

@@ -37,9 +37,11 @@ from pyspark.sql.types import StructType
 
 from kfed_spark.config import KFedConfig, build_config
 from kfed_spark.core.identity import (
+    DRIFT_COLUMNS,
     ClusterSummary,
     ReferenceRun,
     changes_table,
+    drift,
     fresh_ids,
     largest_share,
     match_clusters,
@@ -207,6 +209,7 @@ class Refit:
     clustering: Clustering  # over the stored labels of the other devices
     raw_schema: StructType  # the stored rows' columns, as an input's
     changes: pa.Table | None  # its cluster_changes rows (identity.mode stable)
+    drift: dict[str, float | None]  # identity.drift's figures (None each without changes)
     reference: ReferenceRun | None  # the reference run's published attempt, as it is now
     n_ids_kept: int  # clusters that kept the superseded attempt's id
     highest_cluster_id: int  # the highest id used in the run's attempts so far, this one's included
@@ -239,6 +242,7 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
             Clustering(checked, dim, local, server, model, ids),
             raw.schema,
             None,
+            dict.fromkeys(DRIFT_COLUMNS),
             None,
             int(np.isin(ids, old.cluster_ids).sum()),
             max(row.highest_cluster_id or -1, int(ids.max())),
@@ -272,13 +276,8 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
             if reference is None
             else matching_by_ids(summary, reference.clusters)
         )
-        changes = changes_table(
-            matching,
-            summary,
-            reference,
-            largest_share(local.devices, ids[server.assignment], local.counts),
-            local.table.schema.field("device_id").type,
-        )
+        now = largest_share(local.devices, ids[server.assignment], local.counts)
+        changes = changes_table(matching, summary, reference, now, local.table.schema.field("device_id").type)
     model = local.label_model(
         server.assignment, server.centers, cfg.algorithm.label_mode, label_unseen=True, cluster_ids=ids
     )
@@ -286,6 +285,7 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
         Clustering(checked, dim, local, server, model, ids, chosen),
         raw.schema,
         changes,
+        drift(changes, now, reference) if stable else dict.fromkeys(DRIFT_COLUMNS),
         reference,
         int(np.isin(ids, old.cluster_ids).sum()) if stable else 0,
         max(next_id - 1, int(ids.max())),
@@ -312,6 +312,7 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
         mlflow_run_id=None,
         tracking_error=None,
         forgotten_devices=(row.forgotten_devices or 0) + len(devices),
+        **found.drift,
     )
     with timer.stage("claim"):
         attempt, new_row = ledger.begin(new_row)

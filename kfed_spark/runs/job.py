@@ -29,6 +29,7 @@ from kfed_spark.core.identity import (
     Matching,
     ReferenceRun,
     changes_table,
+    drift,
     fresh_ids,
     largest_share,
     match_clusters,
@@ -221,14 +222,9 @@ def cluster(
     if matching is None or cfg.identity.mode == "fresh":
         return clustering, None, row
     local = clustering.local
-    changes = changes_table(
-        matching,
-        summary,
-        reference,
-        largest_share(local.devices, clustering.cluster_ids[clustering.server.assignment], local.counts),
-        local.table.schema.field("device_id").type,
-    )
-    return clustering, changes, row
+    now = largest_share(local.devices, clustering.cluster_ids[clustering.server.assignment], local.counts)
+    changes = changes_table(matching, summary, reference, now, local.table.schema.field("device_id").type)
+    return clustering, changes, row.changed(**drift(changes, now, reference))
 
 
 def fit_with_ids(

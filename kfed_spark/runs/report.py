@@ -417,7 +417,8 @@ def _lines(report: dict) -> list[tuple[str, str]]:
                     ""
                     if moved is None
                     else f"; moved most: {moved['cluster_id']} ({moved['relative_shift']:.3f} of its spread)"
-                ),
+                )
+                + _drift_text(report),
             )
         )
     truth = report["truth"]
@@ -430,6 +431,19 @@ def _lines(report: dict) -> list[tuple[str, str]]:
             )
         )
     return lines
+
+
+def _drift_text(report: dict) -> str:
+    """The run's drift figures (runs' cluster_mix_psi, ...), as the since-reference line ends; reports of older
+    versions lack them."""
+    figures = [
+        ("cluster mix PSI {:.3f}", report.get("cluster_mix_psi")),
+        ("{:.1%} of rows in new clusters", report.get("share_in_new_clusters")),
+        ("{:.1%} of the reference's rows in retired ones", report.get("share_in_retired_clusters")),
+        ("{:.1%} of devices moved", report.get("share_of_devices_moved")),
+    ]
+    shown = [text.format(value) for text, value in figures if value is not None]
+    return "; " + ", ".join(shown) if shown else ""
 
 
 def _heterogeneity_lines(spread: dict | None) -> list[tuple[str, str]]:

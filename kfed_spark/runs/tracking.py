@@ -33,6 +33,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from kfed_spark.config import MlflowTracking
+from kfed_spark.core.identity import DRIFT_COLUMNS
 from kfed_spark.errors import first_line
 from kfed_spark.spark.input import URI_PATTERN
 
@@ -222,6 +223,7 @@ def log_attempt(
             truth_cost=row.truth_cost,
             clusters_per_device_in_effect=row.clusters_per_device_in_effect,
             clusters_in_effect=row.clusters_in_effect,
+            **{name: getattr(row, name) for name in DRIFT_COLUMNS},
         )
         figures.update({f"seconds_{stage}": seconds for stage, seconds in (row.timings or {}).items()})
         client.log_batch(

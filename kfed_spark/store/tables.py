@@ -127,6 +127,16 @@ COLUMN_COMMENTS = {
     "clusters_in_effect when they look alike (IID); null when the sample holds too few rows of one device",
     "clusters_in_effect": "how many global clusters all the rows lie in, in effect (the same sample); null "
     "when clusters_per_device_in_effect is",
+    "cluster_mix_psi": "population stability index of the cluster mix against the reference run, over the kept "
+    "clusters: 0 for the same mix, above 0.25 commonly read as a shift; null without a reference run",
+    "share_in_new_clusters": "share of the run's rows in clusters the reference run did not have; null without a "
+    "reference run",
+    "share_in_retired_clusters": "share of the reference run's rows in its clusters this run retired; null without "
+    "a reference run",
+    "largest_relative_shift": "the largest move of a kept cluster's center, over the cluster's spread; null without "
+    "a kept cluster",
+    "share_of_devices_moved": "share of the devices in both runs whose largest cluster changed; null without a "
+    "device in both",
     "cost": "k-means cost of the labelled rows (sum of squared distances to their global center)",
     "ari": "adjusted Rand index against the truth column, if the input has one",
     "truth_cost": "k-means cost of the truth column's clusters, if the input has one",
@@ -326,6 +336,11 @@ class RunRecord:
     privacy_delta: float | None = _column(DoubleType())
     clusters_per_device_in_effect: float | None = _column(DoubleType())
     clusters_in_effect: float | None = _column(DoubleType())
+    cluster_mix_psi: float | None = _column(DoubleType())
+    share_in_new_clusters: float | None = _column(DoubleType())
+    share_in_retired_clusters: float | None = _column(DoubleType())
+    largest_relative_shift: float | None = _column(DoubleType())
+    share_of_devices_moved: float | None = _column(DoubleType())
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> RunRecord:
