@@ -143,6 +143,13 @@ class KFedConfig:
     on_bad_rows: str = "quarantine"
     report: bool = True
     """Write report.json and report.html under <output.path>/reports/<run_id>/<attempt_id>/."""
+    profiles: bool | None = None
+    """Write the run's cluster_profiles (each cluster's mean and spread per feature, from the rows); null: yes,
+    but for a run with privacy_epsilon, whose guarantee the rows' figures are outside of."""
+
+    @property
+    def writes_profiles(self) -> bool:
+        return self.profiles if self.profiles is not None else self.algorithm.privacy_epsilon is None
 
     @property
     def fitting(self) -> FitSettings:
@@ -284,6 +291,8 @@ def validate_run(cfg: KFedConfig) -> None:
         raise ConfigError(f"local_partitions must be an integer >= 1, got {cfg.local_partitions!r}")
     if not isinstance(cfg.report, bool):
         raise ConfigError(f"report must be true or false, got {cfg.report!r}")
+    if cfg.profiles is not None and not isinstance(cfg.profiles, bool):
+        raise ConfigError(f"profiles must be true or false, got {cfg.profiles!r}")
     if cfg.on_bad_rows not in ("quarantine", "fail"):
         raise ConfigError(f"on_bad_rows must be 'quarantine' or 'fail', got {cfg.on_bad_rows!r}")
     for key, run_id in (("run_id", cfg.run_id), ("identity.reference", cfg.identity.reference)):

@@ -234,9 +234,9 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
 
 @pytest.mark.spark
 def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, config_after_first_run, tmp_path):
-    """The previous releases wrote runs without the identity, k sweep, tracking and held-back columns, labels without
-    distance and margin, and no cluster_changes (made here from a run of this one): the next run adds them
-    before any work and matches its clusters to the old run's, whose ids were 0..k-1."""
+    """The previous releases wrote runs without the identity, k sweep, tracking and held-back columns, labels
+    without distance and margin, and no cluster_changes or cluster_profiles (made here from a run of this one):
+    the next run adds them before any work and matches its clusters to the old run's, whose ids were 0..k-1."""
     config, out = config_after_first_run, tmp_path / "out"
     for name, added in (
         (
@@ -247,7 +247,7 @@ def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, 
                 *("min_center_points", "n_rows_held_back", "n_devices_held_back", "forgotten_devices"),
                 *("privacy_epsilon", "privacy_delta", "clusters_per_device_in_effect", "clusters_in_effect"),
                 *("cluster_mix_psi", "share_in_new_clusters", "share_in_retired_clusters", "largest_relative_shift"),
-                "share_of_devices_moved",
+                *("share_of_devices_moved", "feature_names"),
             ],
         ),
         ("labels", ["distance", "margin"]),
@@ -263,9 +263,14 @@ def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, 
         )
         older.unpersist()
     shutil.rmtree(out / "cluster_changes")
+    shutil.rmtree(out / "cluster_profiles")
     assert run_cli(config, "run_id=second") == 0
     runs = {row.run_id: row for row in runs_of(spark, out)}
     assert (runs["first"].identity_mode, runs["second"].reference_run_id) == (None, "first")
     changes = published(spark, out, "cluster_changes").toPandas()
     assert set(changes.status) == {"kept"} and sorted(changes.cluster_id) == list(range(MIXTURE["k"]))
+    profiled = published(spark, out, "cluster_profiles").select("run_id").distinct().collect()
+    assert [row.run_id for row in profiled] == ["second"] and runs["second"].feature_names == [
+        f"f{j}" for j in range(MIXTURE["dim"])
+    ]
     assert published(spark, out, "labels").filter("run_id = 'first' AND distance IS NOT NULL").isEmpty()

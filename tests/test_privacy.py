@@ -115,14 +115,15 @@ def test_privacy_needs_bounds_and_a_fixed_k_and_is_spelled_as_a_section(tmp_path
 def test_a_private_run_records_its_budget_and_shares_noisy_centers(spark, config, capsys):
     """The Spark job's local step is the private one: its published local centers hold at least
     min_center_points rows each and no SSE, differ from the numpy kernel's with the same seed (the noise
-    is not the seed's), and the runs row and the report record the budget; the k sweep, which needs the
-    local SSE, refuses the run in one line."""
+    is not the seed's), and the runs row and the report record the budget; it writes no cluster profiles
+    (the rows' own figures) unasked; the k sweep, which needs the local SSE, refuses the run in one line."""
     out = config.parent / "out"
     bounds = "privacy.bounds=[-15, 15]"  # the mixture lies in [-13.7, 11.8]
     assert run_cli(config, "privacy.epsilon=8", bounds, "label_mode=nearest") == 0
     (run,) = runs_of(spark, out)
     assert (run.privacy_epsilon, run.privacy_delta, run.n_rows_held_back) == (8.0, 1e-6, None)
     assert "epsilon = 8, delta = 1e-06 per row" in (report_folder(out, "first") / "report.html").read_text()
+    assert published(spark, out, "cluster_profiles").isEmpty()  # figures of the rows: only when asked for
     local = published(spark, out, "local_centers").toPandas()
     assert local.n_points.min() >= 3 and local.sse.isna().all()
     labels = labels_of(spark, out, "first").select("cluster_id", "true_cluster").toPandas()

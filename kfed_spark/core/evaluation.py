@@ -3,8 +3,9 @@ its own: the device profiles (the device_clusters table) and the evaluation.
 
 Each Python worker adds up, over the labelled rows of its partition, each (device, global cluster)
 pair's rows and squared distances to the global center, the truth x cluster counts, each truth
-class's moments (rows, sum, sum of squared norms) and the rows whose seeded hash falls under a
-threshold (the report's sample). It hands them to Spark as one small text on the partition's
+class's moments (rows, sum, sum of squared norms), each global cluster's moments per feature (the
+cluster_profiles: kfed_spark.core.profiles) and the rows whose seeded hash falls under a threshold
+(the sample of the report and the heterogeneity check). It hands them to Spark as one small text on the partition's
 last row; the driver collects the blobs with an Observation and merges them (Evaluation.merge). The
 same rows, figures and sample come out however the rows are partitioned. Pure numpy and pandas.
 """
@@ -22,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kfed_spark.core.metrics import contingency, within_cluster_cost
+from kfed_spark.core.profiles import ClusterMoments
 from kfed_spark.core.sampling import row_hashes
 
 NULL_TRUTH = "\0null"
@@ -30,18 +32,22 @@ NULL_TRUTH = "\0null"
 
 @dataclass(frozen=True)
 class EvaluationSpec:
-    """What a worker gathers: per-class figures if truth_col is set, and sample rows (hash < sample_below)."""
+    """What a worker gathers: per-class figures if truth_col is set, sample rows (hash < sample_below), and
+    the clusters' moments per feature with profiles."""
 
     truth_col: str | None
     sample_below: int
     seed: int
+    profiles: bool = False
 
     @classmethod
-    def of(cls, truth_col: str | None, sample_rows: int, expected_rows: int, seed: int) -> EvaluationSpec:
+    def of(
+        cls, truth_col: str | None, sample_rows: int, expected_rows: int, seed: int, profiles: bool = False
+    ) -> EvaluationSpec:
         """Aim at four times sample_rows sampled rows out of expected_rows, so that the merge almost
         surely finds sample_rows of them; the merge keeps the sample_rows smallest hashes."""
         share = 0.0 if sample_rows == 0 else min(1.0, 4.0 * sample_rows / max(expected_rows, 1))
-        return cls(truth_col, min(int(share * 2.0**64), 2**64 - 1), seed)
+        return cls(truth_col, min(int(share * 2.0**64), 2**64 - 1), seed, profiles)
 
 
 class PartitionEvaluation:
@@ -58,6 +64,7 @@ class PartitionEvaluation:
         self.cells: list[pd.Series] = []
         self.moments: list[pd.DataFrame] = []
         self.sample: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.cluster_moments: list[ClusterMoments] = []
 
     def add(
         self, devices: np.ndarray, truth: pa.Array | None, x: np.ndarray, cluster: np.ndarray, sq_dist: np.ndarray
@@ -67,6 +74,8 @@ class PartitionEvaluation:
         if len(x):
             pairs = pd.DataFrame({"n_points": 1, "sum_sq_dist": sq_dist}).groupby([devices, cluster]).sum()
             self.profiles.append(pairs)
+            if self.spec.profiles:
+                self.cluster_moments.append(ClusterMoments.of(x, cluster))
         if self.spec.sample_below:
             hashes = row_hashes(x, self.spec.seed)
             chosen = hashes < np.uint64(self.spec.sample_below)
@@ -89,6 +98,7 @@ class PartitionEvaluation:
             _added(self.cells),
             _added(self.moments),
             tuple(np.concatenate(part) for part in zip(*self.sample)) if self.sample else None,
+            ClusterMoments.merge(self.cluster_moments, len(self.origin)) if self.cluster_moments else None,
         )
         return base64.b64encode(zlib.compress(pickle.dumps(figures, protocol=pickle.HIGHEST_PROTOCOL), 1)).decode()
 
@@ -102,7 +112,8 @@ def _added(parts: list):
 class Evaluation:
     """The merged figures: every (device, cluster) pair's rows and sum of squared distances
     (device_clusters, indexed by the pair), truth x cluster counts and the planted clusters' cost
-    (None without a truth column), and the sampled rows with their clusters and devices."""
+    (None without a truth column), the sampled rows with their clusters and devices, and the clusters'
+    moments per feature (None without profiles)."""
 
     device_clusters: pd.DataFrame
     cells: np.ndarray | None
@@ -110,6 +121,7 @@ class Evaluation:
     sample_x: np.ndarray
     sample_labels: np.ndarray
     sample_devices: np.ndarray
+    cluster_moments: ClusterMoments | None = None
 
     @classmethod
     def merge(cls, blobs: list[str], sample_rows: int, dim: int) -> Evaluation:
@@ -122,6 +134,8 @@ class Evaluation:
         cells = _added([p[1] for p in parts if p[1] is not None])
         moments = _added([p[2] for p in parts if p[2] is not None])
         samples = [p[3] for p in parts if p[3] is not None]
+        moments_parts = [p[4] for p in parts if p[4] is not None]
+        cluster_moments = ClusterMoments.merge(moments_parts, dim) if moments_parts else None
         hashes, x, labels, devices = (
             (np.concatenate(column) for column in zip(*samples))
             if samples
@@ -130,9 +144,9 @@ class Evaluation:
         keep = np.lexsort((labels, hashes))[:sample_rows]  # by hash: the same whatever the partitions
         sample = (x[keep], labels[keep], devices[keep])
         if cells is None:
-            return cls(profiles, None, None, *sample)
+            return cls(profiles, None, None, *sample, cluster_moments)
         classes, clusters = (cells.index.get_level_values(level).to_numpy() for level in (0, 1))
         truth_cost = within_cluster_cost(
             moments["n"].to_numpy(), moments[list(range(dim))].to_numpy(), moments["sum_sq"].to_numpy()
         )
-        return cls(profiles, contingency(classes, clusters, cells.to_numpy()), truth_cost, *sample)
+        return cls(profiles, contingency(classes, clusters, cells.to_numpy()), truth_cost, *sample, cluster_moments)

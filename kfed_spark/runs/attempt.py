@@ -23,12 +23,13 @@ from kfed_spark.core.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.core.k_sweep import KSweep
 from kfed_spark.core.local_centers import LocalCenters
 from kfed_spark.core.metrics import ari_of
+from kfed_spark.core.profiles import profiles_table
 from kfed_spark.core.server_step import GlobalClusters
 from kfed_spark.errors import KFedError
 from kfed_spark.runs import report
 from kfed_spark.runtime import fault_injection
 from kfed_spark.spark.columns import labelled_fields
-from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer
+from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, feature_names
 from kfed_spark.spark.input import absolute
 from kfed_spark.spark.labelling import label_rows
 from kfed_spark.spark.session import in_background
@@ -122,8 +123,11 @@ def write_attempt(
             timer,
             cfg.algorithm.privacy_epsilon is not None,
         )
-        row = row.changed(**result_columns(result))
-        profiles = device_clusters_table(evaluation, clustering.local.table.schema.field("device_id").type)
+        names = feature_names(context.raw_schema, cfg.input.features_col, clustering.dim)
+        row = row.changed(**result_columns(result), feature_names=names)
+        device_profiles = device_clusters_table(evaluation, clustering.local.table.schema.field("device_id").type)
+        moments = evaluation.cluster_moments
+        cluster_profiles = None if moments is None else profiles_table(moments, names)
         if cfg.report:
             writes.append(
                 in_background(
@@ -141,7 +145,9 @@ def write_attempt(
                 )
             )
         with timer.stage("other_tables"):
-            write_other_tables(tables, attempt, schemas, profiles, changes, quarantined(labelled, counted))
+            write_other_tables(
+                tables, attempt, schemas, device_profiles, changes, cluster_profiles, quarantined(labelled, counted)
+            )
             for write in writes:
                 write.result()
     except BaseException:
@@ -182,6 +188,7 @@ def write_labels(
         report.SAMPLE_ROWS,
         int(clustering.local.counts.sum()),
         cfg.algorithm.seed,
+        cfg.writes_profiles,
     )
     read, labelled_out = Observation("kfed_input_rows"), Observation("kfed_labelled_rows")
     rows_in = clustering.checked.observe(read, F.count(F.lit(1)).alias("rows"))
@@ -238,18 +245,24 @@ def write_other_tables(
     tables: OutputTables,
     attempt: Attempt,
     schemas: dict[str, StructType],
-    profiles: pa.Table,
+    device_profiles: pa.Table,
     changes: pa.Table | None,
+    cluster_profiles: pa.Table | None,
     quarantined: DataFrame | None,
 ) -> None:
     """Append the attempt's device profiles (device_clusters_table), its cluster changes (with identity.mode
-    stable; kfed_spark.core.identity.changes_table) and its quarantined rows (the input's columns and their
-    reason, in REASON_COL) if it has any."""
+    stable; kfed_spark.core.identity.changes_table), its cluster profiles (unless the run writes none:
+    kfed_spark.core.profiles.profiles_table) and its quarantined rows (the input's columns and their reason,
+    in REASON_COL) if it has any."""
     tag = attempt_columns(attempt)
     spark = tables.spark
     frames = {
         name: conform(spark.createDataFrame(table), schemas[name].fields[:-2]).select("*", *tag)
-        for name, table in (("device_clusters", profiles), ("cluster_changes", changes))
+        for name, table in (
+            ("device_clusters", device_profiles),
+            ("cluster_changes", changes),
+            ("cluster_profiles", cluster_profiles),
+        )
         if table is not None
     }
     if quarantined is not None:

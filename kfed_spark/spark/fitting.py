@@ -36,6 +36,7 @@ from kfed_spark.core.identity import ClusterSummary
 from kfed_spark.core.k_sweep import KSweep, k_values
 from kfed_spark.core.labels import LabelModel
 from kfed_spark.core.local_centers import LocalCenters
+from kfed_spark.core.profiles import default_feature_names
 from kfed_spark.core.server_step import GlobalClusters, server_step
 from kfed_spark.errors import InputError, KFedError
 from kfed_spark.params import AlgorithmParams
@@ -297,6 +298,18 @@ def table_dimension(raw: DataFrame, prepared: DataFrame) -> int:
         raise InputError("no row of the input has any feature values")
     values, counts = np.unique(sizes, return_counts=True)
     return int(values[np.argmax(counts)])  # the smallest of equally common lengths
+
+
+def feature_names(schema: StructType, features: str | list[str], dim: int) -> list[str]:
+    """The features' names: the columns of a list, a vector column's from its ML attribute metadata (as
+    VectorAssembler writes it), else f0 ... f{dim-1}."""
+    if isinstance(features, list):
+        return list(features)
+    attributes = schema[features].metadata.get("ml_attr", {}).get("attrs", {}) if features in schema.names else {}
+    named = {int(a["idx"]): a["name"] for group in attributes.values() for a in group if "name" in a and "idx" in a}
+    if sorted(named) == list(range(dim)):
+        return [named[j] for j in range(dim)]
+    return default_feature_names(dim)
 
 
 def features_column(df: DataFrame, features: str | list[str]) -> Column:

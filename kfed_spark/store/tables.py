@@ -35,7 +35,16 @@ from kfed_spark.spark.columns import (
     labelled_fields,
 )
 
-TABLES = ("labels", "centers", "local_centers", "quarantine", "device_clusters", "cluster_changes", "runs")
+TABLES = (
+    "labels",
+    "centers",
+    "local_centers",
+    "quarantine",
+    "device_clusters",
+    "cluster_changes",
+    "cluster_profiles",
+    "runs",
+)
 DATA_TABLES = TABLES[:-1]
 """The tables whose rows belong to one attempt of a run; `runs` says which attempts are published."""
 STREAM_TABLES = ("stream_labels", "stream_quarantine")
@@ -65,6 +74,8 @@ TABLE_COMMENTS = {
     "(for per-cluster models and client selection)",
     "cluster_changes": "k-FED: how each run's clusters relate to its reference run's (kept, new or retired), "
     "one row per cluster of the run and per retired cluster of the reference",
+    "cluster_profiles": "k-FED: what sets each cluster apart, one row per cluster and feature: its mean and "
+    "standard deviation against the population's, and their standardized difference",
     "runs": "k-FED: one row per attempt of a run; the succeeded attempt with the highest publish_seq of a "
     "run_id is the published one",
     "stream_labels": "k-FED stream: every valid row that arrived, with its global cluster from a finished run's "
@@ -77,6 +88,17 @@ COLUMN_COMMENTS = {
     "attempt_id": "the attempt of the run that wrote the row; only the published attempt's rows count",
     "local_cluster_id": "the device's local cluster the row belongs to",
     "center": "the center's coordinates, one per feature",
+    "feature": "the feature's name: its input column, its name in a vector column's ML attributes, or f<position>",
+    "position": "the feature's place in the features (0 first), as in center",
+    "rank": "1 for the cluster's feature with the largest absolute standardized difference, 2 for the next, ...",
+    "share_of_rows": "the cluster's share of the run's labelled rows",
+    "mean": "the mean of the feature over the cluster's labelled rows",
+    "sd": "the sample standard deviation (n - 1) of the feature over the cluster's rows; null for one row",
+    "population_mean": "the mean of the feature over every labelled row of the run",
+    "population_sd": "the sample standard deviation of the feature over every labelled row of the run",
+    "standardized_difference": "(mean - population_mean) / population_sd: how many of the population's standard "
+    "deviations the cluster's mean stands from the population's; null for a constant feature",
+    "feature_names": "the features' names, in their order (see cluster_profiles.feature)",
     "distance": "the row's Euclidean distance to its global cluster's center (the squares add up to the run's cost)",
     "margin": "(d_other - d) / (d_other + d), d the row's distance to its cluster's center and d_other to the "
     "nearest other center: 1 on its center, 0 half-way, negative nearer another center",
@@ -184,6 +206,8 @@ TABLE_COLUMN_COMMENTS = {
     "used before) or retired (a reference cluster no cluster of this run matched)",
     ("cluster_changes", "n_points"): "rows in the cluster (null for a retired one)",
     ("cluster_changes", "n_devices"): "devices with rows in the cluster (null for a retired one)",
+    ("cluster_profiles", "cluster_id"): "the global cluster",
+    ("cluster_profiles", "n_points"): "labelled rows in the cluster",
 }
 
 
@@ -209,6 +233,21 @@ CENTERS_FIELDS = [
 ]
 
 CENTERS_COLUMNS = [f.name for f in CENTERS_FIELDS]
+
+CLUSTER_PROFILE_FIELDS = [
+    StructField("cluster_id", IntegerType(), False),
+    StructField("feature", StringType(), False),
+    StructField("position", IntegerType(), False),
+    StructField("rank", IntegerType(), False),
+    StructField("n_points", LongType(), False),
+    StructField("share_of_rows", DoubleType(), False),
+    StructField("mean", DoubleType(), False),
+    StructField("sd", DoubleType(), True),
+    StructField("population_mean", DoubleType(), False),
+    StructField("population_sd", DoubleType(), True),
+    StructField("standardized_difference", DoubleType(), True),
+]
+"""cluster_profiles: one row per cluster and feature (kfed_spark.core.profiles.PROFILE_COLUMNS)."""
 
 CLUSTER_CHANGE_FIELDS = [
     StructField("cluster_id", IntegerType(), False),
@@ -254,6 +293,7 @@ def output_schemas(raw_schema: StructType, device_col: str) -> dict[str, StructT
                 *tagged,
             ]
         ),
+        "cluster_profiles": StructType(CLUSTER_PROFILE_FIELDS + tagged),
         "runs": RUNS_SCHEMA,
     }
 
@@ -341,6 +381,7 @@ class RunRecord:
     share_in_retired_clusters: float | None = _column(DoubleType())
     largest_relative_shift: float | None = _column(DoubleType())
     share_of_devices_moved: float | None = _column(DoubleType())
+    feature_names: list[str] | None = _column(ArrayType(StringType(), False))
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> RunRecord:
