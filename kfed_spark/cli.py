@@ -18,6 +18,7 @@ from kfed_spark.commands import (
     command_assign,
     command_choose_k,
     command_demo,
+    command_describe,
     command_forget,
     command_jvm_archive,
     command_maintain,
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_maintain(commands, shared)
     add_forget(commands, shared)
     add_report(commands, shared)
+    add_describe(commands, shared)
     add_choose_k(commands, shared)
     add_package(commands)
     add_demo(commands)
@@ -238,6 +240,20 @@ def add_report(commands, shared: SharedArguments) -> None:
     report.add_argument("run_id", metavar="RUN_ID", help="the run whose report to print")
     report.add_argument("--json", action="store_true", help="print report.json as it is")
     report.set_defaults(handler=command_report)
+
+
+def add_describe(commands, shared: SharedArguments) -> None:
+    profile = commands.add_parser(
+        "describe",
+        parents=[shared.located],
+        help="print what sets each cluster of a published run apart: its size, devices and most distinctive "
+        "features (from cluster_profiles)",
+    )
+    profile.add_argument("--run", metavar="RUN_ID", help="the published run (default: the newest succeeded run)")
+    profile.add_argument("--cluster", type=int, metavar="N", help="every feature of cluster N, most distinctive first")
+    profile.add_argument("--top", type=int, metavar="T", help="features per cluster (default 3)")
+    profile.add_argument("--json", action="store_true", help="print every cluster's ranked features as JSON")
+    profile.set_defaults(handler=command_describe)
 
 
 def add_choose_k(commands, shared: SharedArguments) -> None:

@@ -168,6 +168,45 @@ def command_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_describe(args: argparse.Namespace) -> int:
+    """A published run's clusters from its cluster_profiles (and centers, for their devices)."""
+    import json
+
+    from kfed_spark.config import RUN_ID_PATTERN
+    from kfed_spark.runs.describe import (
+        TOLD_FEATURES,
+        chosen_cluster,
+        cluster_line,
+        cluster_summaries,
+        cluster_table,
+    )
+    from kfed_spark.store.models import newest_run_id
+
+    tables = output_session(args)
+    run_id = args.run or newest_run_id(tables)
+    if not RUN_ID_PATTERN.match(run_id) or not tables.check_log("cluster_profiles"):
+        raise KFedError(f"no cluster profiles of a published run {run_id!r} under {tables.root}")
+    of_run = f"run_id = '{run_id}'"
+    profile = tables.published("cluster_profiles").filter(of_run).toPandas()
+    if profile.empty:
+        raise KFedError(
+            f"no cluster profiles of a published run {run_id!r} under {tables.root} (a run with profiles: false, "
+            "or of an older version, has none)"
+        )
+    centers = tables.published("centers").filter(of_run).select("cluster_id", "n_devices").collect()
+    summaries = cluster_summaries(profile, {row.cluster_id: row.n_devices for row in centers})
+    if args.cluster is not None:
+        summaries = [chosen_cluster(summaries, args.cluster)]
+    if args.json:
+        print(json.dumps({"run_id": run_id, "clusters": summaries}, indent=2))
+    elif args.cluster is not None:
+        print(cluster_table(summaries[0]))
+    else:
+        print(f"run {run_id}: {len(summaries)} clusters")
+        print("\n".join(cluster_line(summary, args.top or TOLD_FEATURES) for summary in summaries))
+    return 0
+
+
 def command_choose_k(args: argparse.Namespace) -> int:
     """The sweep over the run's published attempt only: a failed or superseded attempt's centers are never read."""
     import json

@@ -1,6 +1,9 @@
 """cluster_profiles: each cluster's mean and spread per feature against the population's, gathered in the
 labelling pass (kfed_spark.core.profiles), named after the input's features."""
 
+import json
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -8,6 +11,7 @@ import pytest
 from deltalake import DeltaTable
 
 from helpers import docs_page, published, run_cli, runs_of
+from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.core.profiles import ClusterMoments, profiles_table
 from kfed_spark.store.output import OutputTables
@@ -68,7 +72,7 @@ def input_records_since(spark, stage_id: int) -> tuple[int, int]:
 
 
 @pytest.mark.spark
-def test_a_run_on_named_columns_profiles_its_clusters_as_sql_over_its_labels_does(spark, tmp_path):
+def test_a_run_on_named_columns_profiles_its_clusters_as_sql_over_its_labels_does(spark, tmp_path, capsys):
     (tmp_path / "named").mkdir()
     pq.write_table(named_table(), tmp_path / "named" / "part-0.parquet")
     out = tmp_path / "out"
@@ -120,3 +124,15 @@ def test_a_run_on_named_columns_profiles_its_clusters_as_sql_over_its_labels_doe
 
     read = DeltaTable(str(out / "cluster_profiles")).to_pyarrow_table()  # a reader that is not Spark
     assert read.num_rows == len(profile) == 4 * len(FEATURES)
+
+    capsys.readouterr()
+    assert main(["describe", "--output", str(out)]) == 0  # the newest run
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    assert header == "run profiled: 4 clusters" and len(lines) == 4
+    (visits_line,) = [line for line in lines if line.startswith(f"cluster {visits_cluster}: ")]
+    assert re.search(r" rows \(2\d\.\d%\) on \d+ devices; visits \+\d\.\d sd, ", visits_line), visits_line
+    assert main(["describe", "--output", str(out), "--cluster", str(visits_cluster), "--json"]) == 0
+    (told,) = json.loads(capsys.readouterr().out)["clusters"]
+    assert [f["feature"] for f in told["features"]][0] == "visits" and told["n_points"] == ranked.n_points.iloc[0]
+    assert main(["describe", "--output", str(out), "--run", "first"]) == 2  # profiles: false
+    assert "no cluster profiles of a published run 'first'" in capsys.readouterr().err.strip().splitlines()[-1]
