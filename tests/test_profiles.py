@@ -1,6 +1,7 @@
 """cluster_profiles: each cluster's mean and spread per feature against the population's, gathered in the
 labelling pass (kfed_spark.core.profiles), named after the input's features."""
 
+import html
 import json
 import re
 
@@ -10,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from helpers import docs_page, published, run_cli, runs_of
+from helpers import docs_page, published, report_folder, run_cli, runs_of
 from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.core.profiles import ClusterMoments, profiles_table
@@ -84,7 +85,7 @@ def test_a_run_on_named_columns_profiles_its_clusters_as_sql_over_its_labels_doe
     last_stage = input_records_since(spark, -1)[1]
     assert run_cli(config, "profiles=false") == 0
     records_without, last_stage = input_records_since(spark, last_stage)
-    assert run_cli(config, "run_id=profiled") == 0
+    assert run_cli(config, "run_id=profiled", "report=true") == 0
     records_with, _ = input_records_since(spark, last_stage)
     # The profiles come from the labelling pass: a pass of their own would read the input's 4,000 rows again
     # (the records of Delta's logs, which grow from run to run, make the rest of the difference).
@@ -136,3 +137,9 @@ def test_a_run_on_named_columns_profiles_its_clusters_as_sql_over_its_labels_doe
     assert [f["feature"] for f in told["features"]][0] == "visits" and told["n_points"] == ranked.n_points.iloc[0]
     assert main(["describe", "--output", str(out), "--run", "first"]) == 2  # profiles: false
     assert "no cluster profiles of a published run 'first'" in capsys.readouterr().err.strip().splitlines()[-1]
+
+    # The report tells the same: a line per cluster and the heatmap of standardized differences.
+    page = (report_folder(out, "profiled") / "report.html").read_text()
+    assert f"<li>{html.escape(visits_line)}</li>" in page and 'alt="standardized_differences"' in page
+    assert main(["report", "profiled", "--output", str(out)]) == 0
+    assert visits_line in capsys.readouterr().out.splitlines()

@@ -66,7 +66,9 @@ def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, published_
     parser.feed(page)
     parser.close()
     assert parser.open == []
-    assert [image["alt"] for image in parser.images] == ["cluster_sizes", "projection", "k_z", "clusters_per_device"]
+    assert [image["alt"] for image in parser.images] == [
+        *("standardized_differences", "cluster_sizes", "projection", "k_z", "clusters_per_device")
+    ]
     for image in parser.images:
         data = base64.b64decode(image["src"].removeprefix("data:image/png;base64,"))
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

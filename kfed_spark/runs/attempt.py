@@ -27,6 +27,7 @@ from kfed_spark.core.profiles import profiles_table
 from kfed_spark.core.server_step import GlobalClusters
 from kfed_spark.errors import KFedError
 from kfed_spark.runs import report
+from kfed_spark.runs.describe import cluster_summaries
 from kfed_spark.runtime import fault_injection
 from kfed_spark.spark.columns import labelled_fields
 from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, feature_names
@@ -142,6 +143,7 @@ def write_attempt(
                     clustering,
                     evaluation,
                     changes,
+                    cluster_profiles,
                 )
             )
         with timer.stage("other_tables"):
@@ -363,18 +365,25 @@ def write_run_report(
     clustering: Clustering,
     evaluation: Evaluation,
     changes: pa.Table | None = None,
+    cluster_profiles: pa.Table | None = None,
 ) -> None:
-    files = run_report(summary, cfg, clustering, evaluation, changes)
+    files = run_report(summary, cfg, clustering, evaluation, changes, cluster_profiles)
     if clustering.k_sweep is not None:
         files.update(report.k_sweep_files(clustering.k_sweep, attempt.run_id, attempt.attempt_id))
     tables.write_report(attempt.run_id, attempt.attempt_id, files)
 
 
 def run_report(
-    summary: dict, cfg: KFedConfig, clustering: Clustering, evaluation: Evaluation, changes: pa.Table | None = None
+    summary: dict,
+    cfg: KFedConfig,
+    clustering: Clustering,
+    evaluation: Evaluation,
+    changes: pa.Table | None = None,
+    cluster_profiles: pa.Table | None = None,
 ) -> dict[str, bytes]:
     """report.json and report.html of a run, from what the driver holds and the labelling pass gathered."""
     local, server = clustering.local, clustering.server
+    n_devices = dict(zip(clustering.cluster_ids.tolist(), clustering.clusters().n_devices.tolist(), strict=True))
     facts = report.RunFacts(
         summary={**summary, "truth_col": cfg.input.truth_col, "output": absolute(str(cfg.output.path))},
         local_devices=local.devices,
@@ -387,6 +396,7 @@ def run_report(
         sample_devices=evaluation.sample_devices,
         truth_cells=evaluation.cells,
         changes=None if changes is None else changes.drop_columns(["devices_in", "devices_out"]).to_pylist(),
+        clusters=None if cluster_profiles is None else cluster_summaries(cluster_profiles.to_pandas(), n_devices),
     )
     content = report.build(facts)
     return {

@@ -14,7 +14,11 @@ import pandas as pd
 from kfed_spark.errors import KFedError
 
 TOLD_FEATURES = 3
-"""Features a cluster's line names (describe --top changes it)."""
+"""Features a cluster's line names at most (describe --top changes it)."""
+
+NOTABLE_DIFFERENCE = 0.5
+"""A feature a cluster's line names stands at least this many of the population's standard deviations from
+the population's mean: nearer, the cluster is like everyone else in it."""
 
 FEATURE_FIGURES = ("mean", "sd", "population_mean", "population_sd", "standardized_difference")
 
@@ -34,6 +38,7 @@ def cluster_summaries(profile: pd.DataFrame, n_devices: dict[int, int]) -> list[
                 "features": [
                     {
                         "feature": row.feature,
+                        "position": int(row.position),
                         "rank": int(row["rank"]),
                         **{name: _number(row[name]) for name in FEATURE_FIGURES},
                     }
@@ -49,16 +54,16 @@ def _number(value) -> float | None:
 
 
 def cluster_line(summary: dict, top: int = TOLD_FEATURES) -> str:
-    """'cluster 17: 412 rows (8.2%) on 38 devices; spend +2.3 sd, visits -1.1 sd, ...'."""
+    """'cluster 17: 412 rows (8.2%) on 38 devices; spend +2.3 sd, visits -1.1 sd': its most distinctive
+    features, at most top of them, each NOTABLE_DIFFERENCE or further from the population's mean."""
     devices = "" if summary["n_devices"] is None else f" on {summary['n_devices']} devices"
     told = [
         f"{f['feature']} {f['standardized_difference']:+.1f} sd"
         for f in summary["features"][:top]
-        if f["standardized_difference"] is not None
+        if f["standardized_difference"] is not None and abs(f["standardized_difference"]) >= NOTABLE_DIFFERENCE
     ]
-    return f"cluster {summary['cluster_id']}: {summary['n_points']} rows ({summary['share_of_rows']:.1%}){devices}" + (
-        f"; {', '.join(told)}" if told else ""
-    )
+    size = f"cluster {summary['cluster_id']}: {summary['n_points']} rows ({summary['share_of_rows']:.1%}){devices}"
+    return f"{size}; " + (", ".join(told) if told else f"within {NOTABLE_DIFFERENCE:g} sd of the population everywhere")
 
 
 def cluster_table(summary: dict) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 from kfed_spark.core.k_sweep import KSweep
 from kfed_spark.core.linalg import nearest_center
 from kfed_spark.core.metrics import ari_of, clusters_in_effect, matched_accuracy_of, nmi_of, silhouette
+from kfed_spark.runs.describe import cluster_line
 
 SAMPLE_ROWS = 2000
 """Rows (a seeded sample that the labelling pass gathers, with the report or without) that the silhouette
@@ -31,6 +32,13 @@ mixture whose devices hold half of the clusters each over half."""
 
 PLOTTED_LOCAL_CENTERS = 5000
 """At most this many local centers are drawn in the projection (an even subsample beyond)."""
+
+REPORTED_FEATURES = 10
+"""Features per cluster in report.json's clusters (the most distinctive; cluster_profiles holds them all)."""
+
+HEATMAP_FEATURES = 20
+"""Features in the heatmap of standardized differences: those that stand furthest from the population in
+some cluster."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class RunFacts:
     sample_devices: np.ndarray  # (s,) their devices
     truth_cells: np.ndarray | None  # (classes, clusters) contingency table, if a truth column is set
     changes: list[dict] | None = None  # the run's cluster_changes rows, without their device lists
+    clusters: list[dict] | None = None  # kfed_spark.runs.describe.cluster_summaries, if it wrote profiles
 
 
 def build(facts: RunFacts) -> dict:
@@ -68,6 +77,9 @@ def build(facts: RunFacts) -> dict:
         "heterogeneity": heterogeneity(facts.sample_x, facts.sample_devices, facts.global_centers),
         "truth": None,
         "since_reference": None if facts.changes is None else _since_reference(facts.changes),
+        "clusters": None
+        if facts.clusters is None
+        else [{**c, "features": c["features"][:REPORTED_FEATURES]} for c in facts.clusters],
     }
     if facts.truth_cells is not None:
         cells = facts.truth_cells
@@ -156,14 +168,15 @@ def _distribution(values: np.ndarray) -> dict:
 
 
 def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
-    """PNG images: cluster sizes, 2-D projection of the centers, k_z histogram, clusters per device.
+    """PNG images: with profiles first the heatmap of standardized differences, then cluster sizes, 2-D
+    projection of the centers, k_z histogram, clusters per device, and the changes since the reference run.
 
     Figure objects, not pyplot: no global state, so a report can be drawn in a thread beside other work."""
     from matplotlib import colormaps
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    images = {}
+    images = {} if not facts.clusters else {"standardized_differences": _profile_heatmap(facts.clusters)}
     k = len(facts.global_centers)
     colors = colormaps["turbo"](np.linspace(0, 1, max(k, 2)))
 
@@ -217,6 +230,38 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
     if since and since["reference_run_id"] is not None:
         images["since_reference"] = _changes_figure(since)
     return images
+
+
+def _profile_heatmap(clusters: list[dict]) -> bytes:
+    """Clusters by features, each cell the cluster's standardized difference (its mean minus the population's,
+    in the population's standard deviations); at most HEATMAP_FEATURES features, those that stand furthest
+    from the population in some cluster, in their input order."""
+    from matplotlib.figure import Figure
+
+    names = [f["feature"] for f in sorted(clusters[0]["features"], key=lambda f: f["position"])]
+    values = np.array(
+        [
+            [np.nan if f["standardized_difference"] is None else f["standardized_difference"] for f in by_position]
+            for by_position in (sorted(c["features"], key=lambda f: f["position"]) for c in clusters)
+        ]
+    )
+    furthest = np.nan_to_num(np.abs(values)).max(axis=0)
+    shown = np.sort(np.argsort(-furthest, kind="stable")[:HEATMAP_FEATURES])
+    names, values = [names[j] for j in shown], values[:, shown]
+    limit = max(float(np.nan_to_num(np.abs(values)).max()), 1e-12)
+    fig = Figure(figsize=(max(7.0, 0.6 * len(names) + 3.0), max(3.0, 0.32 * len(clusters) + 2.0)))
+    ax = fig.subplots()
+    image = ax.imshow(values, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+    if values.size <= 400:
+        for (i, j), value in np.ndenumerate(values):
+            if np.isfinite(value):
+                shade = "white" if abs(value) > 0.6 * limit else "black"
+                ax.text(j, i, f"{value:+.1f}", ha="center", va="center", fontsize=7, color=shade)
+    ax.set_xticks(np.arange(len(names)), names, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(np.arange(len(clusters)), [str(c["cluster_id"]) for c in clusters], fontsize=8)
+    ax.set(xlabel="feature", ylabel="cluster", title="What sets each cluster apart (mean - population mean) / sd")
+    fig.colorbar(image, ax=ax, label="standardized difference")
+    return png(fig)
 
 
 def _changes_figure(since: dict) -> bytes:
@@ -288,7 +333,14 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
     rows = "".join(
         f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td></tr>" for name, value in _lines(report)
     )
-    return _page(f"k-FED run {report['run_id']}", f"<table>{rows}</table>", images)
+    told = "".join(f"<li>{html.escape(line)}</li>" for line in _cluster_lines(report))
+    clusters = f"<h2>What the clusters are</h2><ul>{told}</ul>" if told else ""
+    return _page(f"k-FED run {report['run_id']}", f"<table>{rows}</table>{clusters}", images)
+
+
+def _cluster_lines(report: dict) -> list[str]:
+    """A line per cluster: its size, devices and most distinctive features (reports without profiles: none)."""
+    return [cluster_line(summary) for summary in report.get("clusters") or []]
 
 
 def _page(title: str, body: str, images: dict[str, bytes]) -> str:
@@ -467,7 +519,9 @@ def _describe(distribution: dict) -> str:
 
 def terminal_text(report: dict) -> str:
     width = max(len(name) for name, _ in _lines(report))
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in _lines(report))
+    summary = [f"{name:<{width}}  {value}" for name, value in _lines(report)]
+    told = _cluster_lines(report)
+    return "\n".join(summary + (["", "What the clusters are:", *told] if told else []))
 
 
 def to_json(report: dict) -> str:
