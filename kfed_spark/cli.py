@@ -20,6 +20,7 @@ from kfed_spark.commands import (
     command_demo,
     command_describe,
     command_forget,
+    command_history,
     command_jvm_archive,
     command_maintain,
     command_package,
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_forget(commands, shared)
     add_report(commands, shared)
     add_describe(commands, shared)
+    add_history(commands, shared)
     add_choose_k(commands, shared)
     add_package(commands)
     add_demo(commands)
@@ -254,6 +256,19 @@ def add_describe(commands, shared: SharedArguments) -> None:
     profile.add_argument("--top", type=int, metavar="T", help="features per cluster (default 3)")
     profile.add_argument("--json", action="store_true", help="print every cluster's ranked features as JSON")
     profile.set_defaults(handler=command_describe)
+
+
+def add_history(commands, shared: SharedArguments) -> None:
+    history = commands.add_parser(
+        "history",
+        parents=[shared.located],
+        help="print the location's published runs over time, each with how far its clusters moved from its "
+        "reference run's, and draw their cluster sizes by cluster id",
+    )
+    history.add_argument("--last", type=int, default=30, metavar="N", help="the newest N published runs (default 30)")
+    history.add_argument("--figure", metavar="PNG", help="write the cluster sizes over these runs to this file")
+    history.add_argument("--json", action="store_true", help="print the runs' figures as JSON")
+    history.set_defaults(handler=command_history)
 
 
 def add_choose_k(commands, shared: SharedArguments) -> None:

@@ -231,6 +231,25 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     assert (again.cluster_mix_psi, again.share_in_new_clusters, again.share_in_retired_clusters) == (0.0, 0.0, 0.0)
     assert again.share_of_devices_moved == 0.0 and again.largest_relative_shift < 1e-6  # the same centers, to rounding
 
+    # The location over time: history prints every published run with its drift, and draws the sizes by id.
+    capsys.readouterr()
+    figure = tmp_path / "history.png"
+    assert main(["history", "--output", str(out), "--json", "--figure", str(figure)]) == 0
+    told = {row["run_id"]: row for row in json.loads(capsys.readouterr().out)["runs"]}
+    assert list(told) == ["day-1", "day-2", "other", "day-1-again"]  # oldest first; day-2's re-run is published
+    assert told["day-2"]["share_in_new_clusters"] == pytest.approx(row.share_in_new_clusters)  # its re-run
+    assert told["day-1"]["cluster_mix_psi"] is None and told["day-1-again"]["cluster_mix_psi"] == 0.0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 5000
+    assert main(["history", "--output", str(out), "--last", "2"]) == 0
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    assert header.split()[:2] == ["run_id", "finished_at"] and [line.split()[0] for line in lines] == [
+        "other",
+        "day-1-again",
+    ]
+    assert main(["describe", "--output", str(out), "--run", "day-2"]) == 0
+    described = capsys.readouterr().out.strip().splitlines()
+    assert described[0] == f"run day-2: {K} clusters" and f"cluster {after[K]}: " in "\n".join(described)
+
 
 @pytest.mark.spark
 def test_a_location_of_the_previous_release_is_upgraded_and_its_ids_kept(spark, config_after_first_run, tmp_path):

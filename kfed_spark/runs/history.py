@@ -1,0 +1,110 @@
+"""A location's published runs over time: `kfed-spark history`.
+
+Each run's counts, k and cost with its drift figures against its reference run (kfed_spark.core.identity's
+DRIFT_COLUMNS), as text or JSON, and a figure of the cluster sizes over the last runs, by stable id: a
+cluster id keeps its meaning from run to run, so a line is one cluster's life, from the run that made it
+new to the run that retired it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from kfed_spark.core.identity import DRIFT_COLUMNS
+
+HISTORY_COLUMNS = (
+    "run_id",
+    "finished_at",
+    "n_labelled",
+    "n_devices",
+    "k",
+    "cost",
+    "reference_run_id",
+    *DRIFT_COLUMNS,
+)
+"""What history shows of each published run (columns of runs)."""
+
+LABELLED_CLUSTERS = 20
+"""Above this many cluster ids, the figure's lines go without a legend."""
+
+
+def history_rows(runs: pd.DataFrame) -> list[dict]:
+    """The published runs' rows (HISTORY_COLUMNS), oldest first, as plain values (None for a missing figure,
+    and for the columns a location of an older version has not got yet)."""
+
+    def plain(value):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return None
+        if isinstance(value, pd.Timestamp):
+            return value.isoformat()
+        return value.item() if isinstance(value, np.generic) else value
+
+    ordered = runs.sort_values(["finished_at", "run_id"])
+    return [{name: plain(row.get(name)) for name in HISTORY_COLUMNS} for _, row in ordered.iterrows()]
+
+
+def history_text(rows: list[dict]) -> str:
+    """One line per run: when, its size and k, and how far it moved from its reference run."""
+    header = [
+        "run_id",
+        "finished_at",
+        "rows",
+        "devices",
+        "k",
+        "reference",
+        "psi",
+        "in new",
+        "in retired",
+        "shift",
+        "moved",
+    ]
+
+    def share(value) -> str:
+        return "" if value is None else f"{value:.1%}"
+
+    def number(value, form: str) -> str:
+        return "" if value is None else format(value, form)
+
+    table = [
+        [
+            row["run_id"],
+            (row["finished_at"] or "")[:19],
+            str(row["n_labelled"]),
+            str(row["n_devices"]),
+            str(row["k"]),
+            row["reference_run_id"] or "",
+            number(row["cluster_mix_psi"], ".4f"),
+            share(row["share_in_new_clusters"]),
+            share(row["share_in_retired_clusters"]),
+            number(row["largest_relative_shift"], ".3f"),
+            share(row["share_of_devices_moved"]),
+        ]
+        for row in rows
+    ]
+    widths = [max(len(line[j]) for line in [header, *table]) for j in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in [header, *table])
+
+
+def sizes_figure(sizes: pd.DataFrame, run_ids: list[str]) -> bytes:
+    """Rows per cluster id (sizes: run_id, cluster_id, n_points) over the runs in run_ids' order, a line per id."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    from kfed_spark.runs.report import png
+
+    grid = sizes.pivot_table(index="cluster_id", columns="run_id", values="n_points", aggfunc="sum")
+    grid = grid.reindex(columns=run_ids)
+    fig = Figure(figsize=(max(7.0, 0.7 * len(run_ids) + 3.5), 4.5))
+    ax = fig.subplots()
+    colors = colormaps["turbo"](np.linspace(0, 1, max(len(grid), 2)))
+    positions = np.arange(len(run_ids))
+    for color, (cluster_id, counts) in zip(colors, grid.iterrows()):
+        ax.plot(positions, counts.to_numpy(dtype=float), marker="o", markersize=4, color=color, label=str(cluster_id))
+    ax.set_xticks(positions, run_ids, rotation=45, ha="right", fontsize=8)
+    ax.set(xlabel="run (oldest first)", ylabel="rows", title="Cluster sizes over the runs, by cluster id")
+    if len(grid) <= LABELLED_CLUSTERS:
+        ax.legend(title="cluster", fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return png(fig)
