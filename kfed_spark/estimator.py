@@ -8,7 +8,8 @@ saved KFedModel serves `kfed-spark assign` and `stream` with --model PATH (kfed_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +17,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
 from kfed_spark.config import FitSettings, InputConfig, OutputConfig, validate_columns
@@ -26,7 +28,7 @@ from kfed_spark.core.local_centers import LocalCenters
 from kfed_spark.estimator_params import GeneratedParams, GeneratedSetters
 from kfed_spark.params import AlgorithmParams, camel
 from kfed_spark.spark.fitting import REASON_COL, fit
-from kfed_spark.spark.labelling import labelled_plan
+from kfed_spark.spark.labelling import labelled_plan, profiled_rows
 from kfed_spark.spark.workers import SQ_DIST_COL
 from kfed_spark.store.delta import rows_frame
 from kfed_spark.store.models import (
@@ -120,6 +122,7 @@ class KFed(Estimator["KFedModel"], GeneratedSetters, _KFedParams, MLReadable["KF
         )
         model = KFedModel()._with_state(stored)
         model._k_sweep = clustering.k_sweep
+        model._profiles = lambda: model._training_profiles(dataset)
         return self._copyValues(model)._set(k=len(clustering.server.centers))
 
     def write(self) -> MLWriter:
@@ -132,12 +135,22 @@ class KFed(Estimator["KFedModel"], GeneratedSetters, _KFedParams, MLReadable["KF
 
 @dataclass(frozen=True)
 class KFedSummary:
-    """Training summary, from the local statistics (no pass over the rows)."""
+    """Training summary, from the local statistics (no pass over the rows); clusterProfiles makes one pass."""
 
     trainingCost: float  # k-means cost of the induced labels: local SSE plus n * |local - global|^2 (NaN: privacy)
     clusterSizes: list[int]
     numDevices: int
     numLocalCenters: int
+    _profiles: Callable[[], DataFrame] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def clusterProfiles(self) -> DataFrame:
+        """What sets each cluster apart, as the cluster_profiles table holds it (kfed_spark.core.profiles):
+        for a fitted model, one pass over the training rows, labelled as transform labels them; for a model
+        from_run, the run's published profiles. A model read back from a folder has no training rows."""
+        if self._profiles is None:
+            raise ValueError("no training rows: a model read back with KFedModel.load has no cluster profiles")
+        return self._profiles()
 
 
 class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
@@ -147,6 +160,8 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         super().__init__()
         self._stored: StoredModel | None = None
         self._k_sweep: KSweep | None = None
+        self._profiles: Callable[[], DataFrame] | None = None
+        """The summary's cluster profiles: of the training rows (fit) or the run's (from_run)."""
 
     def _with_state(self, stored: StoredModel) -> "KFedModel":
         self._stored = stored
@@ -166,8 +181,15 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         output_path, with the run's parameters and column names."""
         from pyspark.sql import SparkSession
 
-        stored = stored_model(OutputTables(SparkSession.active(), OutputConfig(path=output_path)), run_id)
+        tables = OutputTables(SparkSession.active(), OutputConfig(path=output_path))
+        stored = stored_model(tables, run_id)
         model = cls()._with_state(stored)
+        model._profiles = lambda: (
+            tables.published("cluster_profiles")
+            .filter(F.col("run_id") == stored.origin)
+            .drop("run_id", "attempt_id")
+            .orderBy("cluster_id", "rank")
+        )
         settings = {
             name: stored.config[spec.name] for name, spec in ALGORITHM_PARAMS.items() if spec.name in stored.config
         }
@@ -227,7 +249,13 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
             np.sum(local.sse) + np.sum(between_sse(local.centers, local.counts, stored.centers, stored.assignment))
         )
         sizes = np.bincount(stored.assignment, weights=local.counts, minlength=len(stored.centers)).astype(int)
-        return KFedSummary(cost, sizes.tolist(), len(np.unique(local.devices)), len(local.counts))
+        return KFedSummary(cost, sizes.tolist(), len(np.unique(local.devices)), len(local.counts), self._profiles)
+
+    def _training_profiles(self, dataset: DataFrame) -> DataFrame:
+        settings = self._settings()
+        model = self._stored.label_model(settings.algorithm.label_mode, label_unseen=True)
+        table = profiled_rows(dataset, settings, model, self._stored.dim)
+        return dataset.sparkSession.createDataFrame(table).orderBy("cluster_id", "rank")
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         """Label rows: a plan, no Spark job, so it works on a streaming DataFrame too. A row of a device

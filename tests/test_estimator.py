@@ -51,6 +51,17 @@ def test_fit_transform_equals_the_cli_run(spark, published_run, mixture_path):
     assert sum(model.summary.clusterSizes) == N_ROWS and model.summary.numDevices == MIXTURE["devices"]
     assert model.localCenters.count() == run.n_local_centers
 
+    # The training rows' profiles: one pass, as the run's labelling pass gathers them; from_run reads the run's.
+    published_profiles = published(spark, out, "cluster_profiles").drop("run_id", "attempt_id")
+    expected = published_profiles.orderBy("cluster_id", "rank").toPandas()
+    for summary in (model.summary, KFedModel.from_run(str(out)).summary):
+        profiles = summary.clusterProfiles.toPandas()
+        assert list(profiles.columns) == list(expected.columns)
+        for column in ("cluster_id", "feature", "position", "rank", "n_points"):
+            assert list(profiles[column]) == list(expected[column]), column
+        for column in ("mean", "sd", "population_mean", "population_sd", "standardized_difference"):
+            np.testing.assert_allclose(profiles[column], expected[column], rtol=1e-9, err_msg=column)
+
 
 @pytest.mark.spark
 def test_rows_of_new_devices_take_the_nearest_global_center_without_refitting(spark, mixture_path, tmp_path):

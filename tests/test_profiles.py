@@ -143,3 +143,17 @@ def test_a_run_on_named_columns_profiles_its_clusters_as_sql_over_its_labels_doe
     assert f"<li>{html.escape(visits_line)}</li>" in page and 'alt="standardized_differences"' in page
     assert main(["report", "profiled", "--output", str(out)]) == 0
     assert visits_line in capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.spark
+def test_the_estimator_names_the_features_after_a_vector_assembler_s_columns(spark):
+    from pyspark.ml.feature import VectorAssembler
+
+    from kfed_spark.estimator import KFed
+
+    rows = VectorAssembler(inputCols=FEATURES, outputCol="features").transform(spark.createDataFrame(named_table()))
+    model = KFed(k=4, kPerDevice=2, deviceCol="device_id").fit(rows)
+    profile = model.summary.clusterProfiles.toPandas()
+    assert sorted(set(profile.feature)) == sorted(FEATURES) and len(profile) == 4 * len(FEATURES)
+    visits = profile[profile.feature == "visits"].sort_values("mean").cluster_id.iloc[-1]
+    assert profile[(profile.cluster_id == visits) & (profile["rank"] == 1)].feature.iloc[0] == "visits"

@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers import (
+    MIXTURE,
     N_ROWS,
     clean_environment,
     duckdb_published,
@@ -102,6 +103,9 @@ def test_a_published_attempt_is_logged_with_its_figures_report_and_model(
         "report/report.json",
         "report/report.html",
     }
+    assert metrics["clusters_per_device_in_effect"] == pytest.approx(row.clusters_per_device_in_effect)
+    profiles = pd.read_csv(client.download_artifacts(row.mlflow_run_id, "profiles/cluster_profiles.csv", str(tmp_path)))
+    assert len(profiles) == MIXTURE["k"] * MIXTURE["dim"] and set(profiles.feature) == {f"f{j}" for j in range(8)}
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)  # where runs:/ URIs are looked up
     model = mlflow.pyfunc.load_model(f"runs:/{row.mlflow_run_id}/model")

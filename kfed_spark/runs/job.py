@@ -51,6 +51,7 @@ from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, fit_che
 from kfed_spark.spark.input import read_input
 from kfed_spark.spark.labelling import extend_with_new_devices, label_rows
 from kfed_spark.spark.session import in_background
+from kfed_spark.store.delta import attempt_filter
 from kfed_spark.store.ledger import Ledger, highest_cluster_id, new_attempt_id, reference_attempt
 from kfed_spark.store.models import StoredModel, finished_model, reference_run
 from kfed_spark.store.output import OutputTables
@@ -130,10 +131,12 @@ def run(
         ledger.supersede_others(attempt, runs_now)
     if tracking is not None:
         report = tables.report_files(row.run_id, row.attempt_id)
+        profiles = tables.read("cluster_profiles").filter(attempt_filter(row.run_id, row.attempt_id))
+        profiles = profiles.drop("run_id", "attempt_id").orderBy("cluster_id", "rank").toArrow()
         artifacts_store = tables.filesystem(tracking.artifacts_folder)  # the session's settings, read before it stops
         if own_session:
             spark.stop()
-        tracking.finish(cfg, row, report, clustering, artifacts_store)
+        tracking.finish(cfg, row, report, profiles, clustering, artifacts_store)
     log.info(
         "run %s: %d rows labelled, %d quarantined, cost %.6g",
         run_id,

@@ -29,6 +29,7 @@ from urllib.request import getproxies, proxy_bypass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -98,8 +99,11 @@ class AttemptTracking:
         mlflow_run_id, error = self.created.outcome()
         return {"mlflow_run_id": mlflow_run_id, "tracking_error": error}
 
-    def finish(self, cfg, row, report: dict[str, bytes], clustering, artifacts_store: Located | None) -> None:
-        """Log the published attempt (its final runs row `row`, its report files) to its MLflow run.
+    def finish(
+        self, cfg, row, report: dict[str, bytes], profiles: pa.Table, clustering, artifacts_store: Located | None
+    ) -> None:
+        """Log the published attempt (its final runs row `row`, its report files, its cluster_profiles rows) to
+        its MLflow run.
         artifacts_store: the filesystem of artifacts_folder, with the tables' settings. Never raises."""
         mlflow_run_id, error = row.mlflow_run_id, row.tracking_error
         if mlflow_run_id is not None:
@@ -112,6 +116,7 @@ class AttemptTracking:
                 cfg,
                 row,
                 report,
+                profiles,
                 clustering,
                 artifacts,
             ).outcome()
@@ -204,9 +209,17 @@ def terminated(settings: MlflowTracking, mlflow_run_id: str, status: str) -> Non
 
 
 def log_attempt(
-    settings: MlflowTracking, mlflow_run_id: str, cfg, row, report: dict[str, bytes], clustering, artifacts: Artifacts
+    settings: MlflowTracking,
+    mlflow_run_id: str,
+    cfg,
+    row,
+    report: dict[str, bytes],
+    profiles: pa.Table,
+    clustering,
+    artifacts: Artifacts,
 ) -> None:
-    """The published attempt's settings, figures, report files and model, logged to its MLflow run, then FINISHED."""
+    """The published attempt's settings, figures, report files, cluster profiles (profiles/cluster_profiles.csv,
+    when the run wrote them) and model, logged to its MLflow run, then FINISHED."""
     from mlflow.entities import Metric, Param
 
     client = client_of(settings)
@@ -237,6 +250,9 @@ def log_attempt(
                 folder.mkdir()
                 for name, data in report.items():
                     (folder / name).write_bytes(data)
+            if profiles.num_rows:
+                Path(work, "profiles").mkdir()
+                pa_csv.write_csv(profiles, Path(work, "profiles", "cluster_profiles.csv"))
             save_pyfunc_model(Path(work, "model"), clustering, row.label_mode)
             artifacts.upload(client, mlflow_run_id, Path(work))
     except BaseException:

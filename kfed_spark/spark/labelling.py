@@ -23,10 +23,19 @@ from pyspark.sql.types import (
 )
 
 from kfed_spark.config import FitSettings
-from kfed_spark.core.evaluation import EvaluationSpec
+from kfed_spark.core.evaluation import Evaluation, EvaluationSpec
 from kfed_spark.core.labels import LabelModel
 from kfed_spark.core.local_centers import LocalCenters
-from kfed_spark.spark.fitting import FEATURES_COL, FEATURES_SOURCE, REASON_COL, collect_local_centers, validated
+from kfed_spark.core.profiles import profiles_table
+from kfed_spark.errors import InputError
+from kfed_spark.spark.fitting import (
+    FEATURES_COL,
+    FEATURES_SOURCE,
+    REASON_COL,
+    collect_local_centers,
+    feature_names,
+    validated,
+)
 from kfed_spark.spark.workers import EVALUATION_COL, LABEL_FIELDS, NON_FINITE, SQ_DIST_COL, label_arrays
 
 LABELS_COL = "__kfed_labels"
@@ -68,6 +77,19 @@ def labelled_plan(rows: DataFrame, settings: FitSettings, model: LabelModel, dim
     (the dimension is the model's). What KFedModel.transform and `kfed-spark stream` run."""
     checked, _ = validated(rows, settings, dim)
     return label_rows(checked, model, rows.schema, settings.input.device_col, dim)
+
+
+def profiled_rows(rows: DataFrame, settings: FitSettings, model: LabelModel, dim: int) -> pa.Table:
+    """The cluster_profiles rows (kfed_spark.core.profiles) of rows labelled with a finished model: one pass,
+    the labelling of labelled_plan with each cluster's moments gathered as a run's labelling pass gathers them."""
+    checked, _ = validated(rows, settings, dim)
+    spec = EvaluationSpec.of(None, 0, 1, settings.algorithm.seed, profiles=True)
+    labelled = label_rows(checked, model, rows.schema, settings.input.device_col, dim, spec)
+    blobs = [row[0] for row in labelled.select(EVALUATION_COL).where(F.col(EVALUATION_COL).isNotNull()).collect()]
+    moments = Evaluation.merge(blobs, 0, dim).cluster_moments
+    if moments is None:
+        raise InputError("no row could be labelled, so no cluster has a profile")
+    return profiles_table(moments, feature_names(rows.schema, settings.input.features_col, dim))
 
 
 def label_rows(
