@@ -211,22 +211,16 @@ def command_history(args: argparse.Namespace) -> int:
     """The location's last published runs, oldest first, with their drift figures; their cluster sizes as a figure."""
     import json
 
-    from pyspark.sql import functions as F
-
-    from kfed_spark.runs.history import HISTORY_COLUMNS, history_rows, history_text, sizes_figure
+    from kfed_spark.runs.history import history_rows, history_text, published_runs, published_sizes
+    from kfed_spark.runs.report import sizes_over_runs_figure
 
     tables = output_session(args)
     if not tables.check_log("runs"):
         raise KFedError(f"no kfed-spark runs under {tables.root}")
-    runs = tables.published("runs")
-    runs = runs.select(*[name for name in HISTORY_COLUMNS if name in runs.columns])
-    rows = history_rows(runs.orderBy(F.col("finished_at").desc(), F.col("run_id").desc()).limit(args.last).toPandas())
+    rows = history_rows(published_runs(tables, args.last))
     if args.figure:
         run_ids = [row["run_id"] for row in rows]
-        sizes = tables.published("centers").filter(F.col("run_id").isin(run_ids))
-        Path(args.figure).write_bytes(
-            sizes_figure(sizes.select("run_id", "cluster_id", "n_points").toPandas(), run_ids)
-        )
+        Path(args.figure).write_bytes(sizes_over_runs_figure(published_sizes(tables, run_ids), run_ids))
     print(json.dumps({"runs": rows}, indent=2) if args.json else history_text(rows))
     return 0
 

@@ -196,7 +196,8 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     # Day 2 replaced 15% of the 200 devices; each device holds 4 clusters evenly, so its largest is a toss-up.
     moved = sql("SELECT sum(size(devices_in)) AS n FROM latest_cluster_changes", out, capsys).n.astype(int)[0]
     assert row.share_of_devices_moved == moved / 170 and moved > 0
-    assert "cluster mix PSI" in (folder / "report.html").read_text()
+    page = (folder / "report.html").read_text()
+    assert "cluster mix PSI" in page and 'alt="sizes_over_runs"' in page  # day-1 and day-2, by cluster id
 
     # Each row's distance and margin, against numpy from the published centers; the squares add up to the cost.
     labels = published(spark, out, "labels").filter("run_id = 'day-2'").toArrow()

@@ -13,6 +13,7 @@ from functools import cached_property
 from importlib.metadata import version
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -28,6 +29,7 @@ from kfed_spark.core.server_step import GlobalClusters
 from kfed_spark.errors import KFedError
 from kfed_spark.runs import report
 from kfed_spark.runs.describe import cluster_summaries
+from kfed_spark.runs.history import REPORTED_RUNS, published_runs, published_sizes
 from kfed_spark.runtime import fault_injection
 from kfed_spark.spark.columns import labelled_fields
 from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, feature_names
@@ -367,10 +369,24 @@ def write_run_report(
     changes: pa.Table | None = None,
     cluster_profiles: pa.Table | None = None,
 ) -> None:
-    files = run_report(summary, cfg, clustering, evaluation, changes, cluster_profiles)
+    over_runs = None if summary.get("reference_run_id") is None else sizes_over_runs(tables, attempt, clustering)
+    files = run_report(summary, cfg, clustering, evaluation, changes, cluster_profiles, over_runs)
     if clustering.k_sweep is not None:
         files.update(report.k_sweep_files(clustering.k_sweep, attempt.run_id, attempt.attempt_id))
     tables.write_report(attempt.run_id, attempt.attempt_id, files)
+
+
+def sizes_over_runs(tables: OutputTables, attempt: Attempt, clustering: Clustering) -> tuple[pd.DataFrame, list[str]]:
+    """The cluster sizes (run_id, cluster_id, n_points) of the newest published runs of other run ids and of
+    this attempt (REPORTED_RUNS in all), and the run ids oldest first: what the report's sizes figure draws."""
+    before = published_runs(tables, REPORTED_RUNS)
+    run_ids = [run_id for run_id in reversed(before.run_id.tolist()) if run_id != attempt.run_id][
+        -(REPORTED_RUNS - 1) :
+    ]
+    own = pd.DataFrame(
+        {"run_id": attempt.run_id, "cluster_id": clustering.cluster_ids, "n_points": clustering.clusters().n_points}
+    )
+    return pd.concat([published_sizes(tables, run_ids), own], ignore_index=True), [*run_ids, attempt.run_id]
 
 
 def run_report(
@@ -380,8 +396,10 @@ def run_report(
     evaluation: Evaluation,
     changes: pa.Table | None = None,
     cluster_profiles: pa.Table | None = None,
+    over_runs: tuple[pd.DataFrame, list[str]] | None = None,
 ) -> dict[str, bytes]:
-    """report.json and report.html of a run, from what the driver holds and the labelling pass gathered."""
+    """report.json and report.html of a run, from what the driver holds and the labelling pass gathered, and
+    with a reference run the cluster sizes over the runs before it (sizes_over_runs)."""
     local, server = clustering.local, clustering.server
     n_devices = dict(zip(clustering.cluster_ids.tolist(), clustering.clusters().n_devices.tolist(), strict=True))
     facts = report.RunFacts(
@@ -397,6 +415,7 @@ def run_report(
         truth_cells=evaluation.cells,
         changes=None if changes is None else changes.drop_columns(["devices_in", "devices_out"]).to_pylist(),
         clusters=None if cluster_profiles is None else cluster_summaries(cluster_profiles.to_pandas(), n_devices),
+        sizes_over_runs=over_runs,
     )
     content = report.build(facts)
     return {

@@ -27,8 +27,26 @@ HISTORY_COLUMNS = (
 )
 """What history shows of each published run (columns of runs)."""
 
-LABELLED_CLUSTERS = 20
-"""Above this many cluster ids, the figure's lines go without a legend."""
+REPORTED_RUNS = 10
+"""Runs a run's report draws the cluster sizes of: itself and the newest published runs before it."""
+
+
+def published_runs(tables, last: int) -> pd.DataFrame:
+    """The newest `last` published runs' HISTORY_COLUMNS (those the location has: an older version's runs
+    table lacks the newest), newest first."""
+    from pyspark.sql import functions as F
+
+    runs = tables.published("runs")
+    runs = runs.select(*[name for name in HISTORY_COLUMNS if name in runs.columns])
+    return runs.orderBy(F.col("finished_at").desc(), F.col("run_id").desc()).limit(last).toPandas()
+
+
+def published_sizes(tables, run_ids: list[str]) -> pd.DataFrame:
+    """The published clusters' sizes (run_id, cluster_id, n_points) of these runs."""
+    from pyspark.sql import functions as F
+
+    centers = tables.published("centers").filter(F.col("run_id").isin(run_ids))
+    return centers.select("run_id", "cluster_id", "n_points").toPandas()
 
 
 def history_rows(runs: pd.DataFrame) -> list[dict]:
@@ -86,25 +104,3 @@ def history_text(rows: list[dict]) -> str:
     ]
     widths = [max(len(line[j]) for line in [header, *table]) for j in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in [header, *table])
-
-
-def sizes_figure(sizes: pd.DataFrame, run_ids: list[str]) -> bytes:
-    """Rows per cluster id (sizes: run_id, cluster_id, n_points) over the runs in run_ids' order, a line per id."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
-
-    from kfed_spark.runs.report import png
-
-    grid = sizes.pivot_table(index="cluster_id", columns="run_id", values="n_points", aggfunc="sum")
-    grid = grid.reindex(columns=run_ids)
-    fig = Figure(figsize=(max(7.0, 0.7 * len(run_ids) + 3.5), 4.5))
-    ax = fig.subplots()
-    colors = colormaps["turbo"](np.linspace(0, 1, max(len(grid), 2)))
-    positions = np.arange(len(run_ids))
-    for color, (cluster_id, counts) in zip(colors, grid.iterrows()):
-        ax.plot(positions, counts.to_numpy(dtype=float), marker="o", markersize=4, color=color, label=str(cluster_id))
-    ax.set_xticks(positions, run_ids, rotation=45, ha="right", fontsize=8)
-    ax.set(xlabel="run (oldest first)", ylabel="rows", title="Cluster sizes over the runs, by cluster id")
-    if len(grid) <= LABELLED_CLUSTERS:
-        ax.legend(title="cluster", fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    return png(fig)

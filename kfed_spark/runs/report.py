@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from kfed_spark.core.k_sweep import KSweep
 from kfed_spark.core.linalg import nearest_center
@@ -36,6 +37,9 @@ PLOTTED_LOCAL_CENTERS = 5000
 REPORTED_FEATURES = 10
 """Features per cluster in report.json's clusters (the most distinctive; cluster_profiles holds them all)."""
 
+LABELLED_CLUSTERS = 20
+"""Above this many cluster ids, the sizes-over-runs figure's lines go without a legend."""
+
 HEATMAP_FEATURES = 20
 """Features in the heatmap of standardized differences: those that stand furthest from the population in
 some cluster."""
@@ -57,6 +61,7 @@ class RunFacts:
     truth_cells: np.ndarray | None  # (classes, clusters) contingency table, if a truth column is set
     changes: list[dict] | None = None  # the run's cluster_changes rows, without their device lists
     clusters: list[dict] | None = None  # kfed_spark.runs.describe.cluster_summaries, if it wrote profiles
+    sizes_over_runs: tuple[pd.DataFrame, list[str]] | None = None  # (run_id, cluster_id, n_points), runs in order
 
 
 def build(facts: RunFacts) -> dict:
@@ -229,7 +234,29 @@ def figures(report: dict, facts: RunFacts) -> dict[str, bytes]:
     since = report.get("since_reference")
     if since and since["reference_run_id"] is not None:
         images["since_reference"] = _changes_figure(since)
+    if facts.sizes_over_runs is not None:
+        images["sizes_over_runs"] = sizes_over_runs_figure(*facts.sizes_over_runs)
     return images
+
+
+def sizes_over_runs_figure(sizes: pd.DataFrame, run_ids: list[str]) -> bytes:
+    """Rows per cluster id (sizes: run_id, cluster_id, n_points) over the runs in run_ids' order, a line per id."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    grid = sizes.pivot_table(index="cluster_id", columns="run_id", values="n_points", aggfunc="sum")
+    grid = grid.reindex(columns=run_ids)
+    fig = Figure(figsize=(max(7.0, 0.7 * len(run_ids) + 3.5), 4.5))
+    ax = fig.subplots()
+    colors = colormaps["turbo"](np.linspace(0, 1, max(len(grid), 2)))
+    positions = np.arange(len(run_ids))
+    for color, (cluster_id, counts) in zip(colors, grid.iterrows()):
+        ax.plot(positions, counts.to_numpy(dtype=float), marker="o", markersize=4, color=color, label=str(cluster_id))
+    ax.set_xticks(positions, run_ids, rotation=45, ha="right", fontsize=8)
+    ax.set(xlabel="run (oldest first)", ylabel="rows", title="Cluster sizes over the runs, by cluster id")
+    if len(grid) <= LABELLED_CLUSTERS:
+        ax.legend(title="cluster", fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return png(fig)
 
 
 def _profile_heatmap(clusters: list[dict]) -> bytes:
@@ -303,7 +330,7 @@ def _changes_figure(since: dict) -> bytes:
     ax.set(
         xlabel="cluster id",
         ylabel="rows",
-        title="Since the reference run: rows per cluster (numbers: center shift over spread)",
+        title="Rows per cluster since the reference run (numbers: shift over spread)",
     )
     tallest = max([c["n_points"] or 0 for c in clusters] + [c["reference_n_points"] or 0 for c in clusters] + [1])
     ax.set_ylim(0, 1.35 * tallest)  # room for the legend above the bars
