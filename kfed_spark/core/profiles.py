@@ -48,13 +48,14 @@ class ClusterMoments:
 
     @classmethod
     def of(cls, x: np.ndarray, cluster: np.ndarray) -> ClusterMoments:
-        """The moments of rows x (n, d) labelled cluster (n,)."""
-        order = np.argsort(cluster, kind="stable")
-        ids, starts, n = np.unique(cluster[order], return_index=True, return_counts=True)
-        rows = x[order]
-        mean = np.add.reduceat(rows, starts, axis=0) / n[:, None] if len(rows) else np.empty((0, x.shape[1]))
-        deviation = rows - np.repeat(mean, n, axis=0)
-        m2 = np.add.reduceat(deviation * deviation, starts, axis=0) if len(rows) else np.empty((0, x.shape[1]))
+        """The moments of rows x (n, d) labelled cluster (n,): sums by (cluster, feature) with one bincount over
+        the flattened cells, then the squared deviations from the means the same way."""
+        ids, position, n = np.unique(cluster, return_inverse=True, return_counts=True)
+        k, d = len(ids), x.shape[1]
+        cells = (position[:, None] * d + np.arange(d)).ravel()
+        mean = np.bincount(cells, weights=x.ravel(), minlength=k * d).reshape(k, d) / np.maximum(n, 1)[:, None]
+        deviation = x - mean[position]
+        m2 = np.bincount(cells, weights=(deviation * deviation).ravel(), minlength=k * d).reshape(k, d)
         return cls(ids.astype(np.int64), n.astype(np.int64), mean, m2)
 
     @classmethod
