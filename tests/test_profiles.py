@@ -16,6 +16,7 @@ from kfed_spark.cli import main
 from kfed_spark.config import OutputConfig
 from kfed_spark.core.profiles import ClusterMoments, profiles_table
 from kfed_spark.store.output import OutputTables
+from kfed_spark.store.tables import CLUSTER_PROFILE_FIELDS
 
 FEATURES = ["spend", "visits", "age"]
 PLANTED = np.array([[0.0, 0.0, 0.0], [6.0, 0.0, 6.0], [-6.0, 0.0, 6.0], [0.0, 12.0, 0.0]])
@@ -61,6 +62,7 @@ def test_a_cluster_s_features_are_ranked_by_how_far_they_stand_from_the_populati
     one = profile[profile.feature == "one"]
     assert one.standardized_difference.isna().all() and (one["rank"] == 4).all() and (one.sd == 0).all()
     assert profile.groupby("cluster_id").share_of_rows.first().sum() == pytest.approx(1.0)
+    assert list(profile.columns) == [field.name for field in CLUSTER_PROFILE_FIELDS]  # the table's one schema
 
 
 def input_records_since(spark, stage_id: int) -> tuple[int, int]:

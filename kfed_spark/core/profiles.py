@@ -16,21 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-PROFILE_COLUMNS = (
-    "cluster_id",
-    "feature",
-    "position",
-    "rank",
-    "n_points",
-    "share_of_rows",
-    "mean",
-    "sd",
-    "population_mean",
-    "population_sd",
-    "standardized_difference",
-)
-"""The cluster_profiles columns (before run_id and attempt_id), in order."""
-
 
 def default_feature_names(dim: int) -> list[str]:
     """f0 ... f{dim-1}: the names of features that came without any."""
@@ -89,10 +74,10 @@ def combined(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 def profiles_table(moments: ClusterMoments, feature_names: list[str]) -> pa.Table:
-    """The cluster_profiles rows (PROFILE_COLUMNS): one per cluster and feature, each cluster's features ranked
-    by how far its mean stands from the population's (1: the largest absolute standardized difference).
-    A feature constant over the population has no standardized difference (null), nor a cluster of one row
-    a standard deviation."""
+    """The cluster_profiles rows (the columns of kfed_spark.store.tables.CLUSTER_PROFILE_FIELDS): one per
+    cluster and feature, each cluster's features ranked by how far its mean stands from the population's (1:
+    the largest absolute standardized difference). A feature constant over the population has no standardized
+    difference (null), nor a cluster of one row a standard deviation."""
     k, d = moments.mean.shape
     n_all, population_mean, population_m2 = moments.population()
     population_sd = np.sqrt(population_m2 / (n_all - 1)) if n_all > 1 else np.full(d, np.nan)

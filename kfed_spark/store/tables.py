@@ -247,7 +247,7 @@ CLUSTER_PROFILE_FIELDS = [
     StructField("population_sd", DoubleType(), True),
     StructField("standardized_difference", DoubleType(), True),
 ]
-"""cluster_profiles: one row per cluster and feature (kfed_spark.core.profiles.PROFILE_COLUMNS)."""
+"""cluster_profiles before run_id and attempt_id: one row per cluster and feature (core.profiles.profiles_table)."""
 
 CLUSTER_CHANGE_FIELDS = [
     StructField("cluster_id", IntegerType(), False),
