@@ -61,6 +61,7 @@ def pytest_runtest_setup(item):
 
 
 LONGEST_MODULES = (
+    "test_object_store",
     "test_publish",
     "test_job",
     "test_airflow",
