@@ -162,3 +162,21 @@ def test_the_estimator_names_the_features_after_a_vector_assembler_s_columns(spa
     assert sorted(set(profile.feature)) == sorted(FEATURES) and len(profile) == 4 * len(FEATURES)
     visits = profile[profile.feature == "visits"].sort_values("mean").cluster_id.iloc[-1]
     assert profile[(profile.cluster_id == visits) & (profile["rank"] == 1)].feature.iloc[0] == "visits"
+
+
+@pytest.mark.spark
+def test_forget_keeps_the_names_a_vector_column_gave_the_features(spark, tmp_path):
+    """The stored labels hold the features as an array without the vector's attributes: the run's new attempt
+    takes the names its runs row recorded."""
+    from pyspark.ml.feature import VectorAssembler
+
+    rows = VectorAssembler(inputCols=FEATURES, outputCol="features").transform(spark.createDataFrame(named_table()))
+    rows.select("device_id", "features").write.parquet(str(tmp_path / "vectors"))
+    out = tmp_path / "out"
+    config = tmp_path / "vectors.yaml"
+    config.write_text(f"input: {{path: '{tmp_path / 'vectors'}', format: parquet}}\noutput: {{path: '{out}'}}\nk: 4\n")
+    assert run_cli(config, "k_per_device=2", "report=false") == 0
+    assert main(["forget", "--output", str(out), "--device", "3", "--all-runs"]) == 0
+    first, forgotten = runs_of(spark, out)
+    assert first.feature_names == forgotten.feature_names == FEATURES and forgotten.forgotten_devices == 1
+    assert set(published(spark, out, "cluster_profiles").toPandas().feature) == set(FEATURES)

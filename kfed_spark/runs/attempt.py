@@ -126,7 +126,8 @@ def write_attempt(
             timer,
             cfg.algorithm.privacy_epsilon is not None,
         )
-        names = feature_names(context.raw_schema, cfg.input.features_col, clustering.dim)
+        # A run's new attempt (forget's) keeps its names: its stored rows no longer carry a vector's attributes.
+        names = row.feature_names or feature_names(context.raw_schema, cfg.input.features_col, clustering.dim)
         row = row.changed(**result_columns(result), feature_names=names)
         device_profiles = device_clusters_table(evaluation, clustering.local.table.schema.field("device_id").type)
         moments = evaluation.cluster_moments
