@@ -370,24 +370,20 @@ def write_run_report(
     changes: pa.Table | None = None,
     cluster_profiles: pa.Table | None = None,
 ) -> None:
-    over_runs = None if summary.get("reference_run_id") is None else sizes_over_runs(tables, attempt, clustering)
-    files = run_report(summary, cfg, clustering, evaluation, changes, cluster_profiles, over_runs)
+    past = None if summary.get("reference_run_id") is None else past_sizes(tables, attempt.run_id)
+    files = run_report(summary, cfg, clustering, evaluation, changes, cluster_profiles, past)
     if clustering.k_sweep is not None:
         files.update(report.k_sweep_files(clustering.k_sweep, attempt.run_id, attempt.attempt_id))
     tables.write_report(attempt.run_id, attempt.attempt_id, files)
 
 
-def sizes_over_runs(tables: OutputTables, attempt: Attempt, clustering: Clustering) -> tuple[pd.DataFrame, list[str]]:
-    """The cluster sizes (run_id, cluster_id, n_points) of the newest published runs of other run ids and of
-    this attempt (REPORTED_RUNS in all), and the run ids oldest first: what the report's sizes figure draws."""
+def past_sizes(tables: OutputTables, run_id: str) -> tuple[pd.DataFrame, list[str]]:
+    """The cluster sizes (run_id, cluster_id, n_points) of the newest published runs of other run ids than
+    run_id (REPORTED_RUNS - 1 of them), and their run ids oldest first: the report's sizes figure before the
+    run's own."""
     before = published_runs(tables, REPORTED_RUNS)
-    run_ids = [run_id for run_id in reversed(before.run_id.tolist()) if run_id != attempt.run_id][
-        -(REPORTED_RUNS - 1) :
-    ]
-    own = pd.DataFrame(
-        {"run_id": attempt.run_id, "cluster_id": clustering.cluster_ids, "n_points": clustering.clusters().n_points}
-    )
-    return pd.concat([published_sizes(tables, run_ids), own], ignore_index=True), [*run_ids, attempt.run_id]
+    run_ids = [other for other in reversed(before.run_id.tolist()) if other != run_id][-(REPORTED_RUNS - 1) :]
+    return published_sizes(tables, run_ids), run_ids
 
 
 def run_report(
@@ -397,12 +393,19 @@ def run_report(
     evaluation: Evaluation,
     changes: pa.Table | None = None,
     cluster_profiles: pa.Table | None = None,
-    over_runs: tuple[pd.DataFrame, list[str]] | None = None,
+    past: tuple[pd.DataFrame, list[str]] | None = None,
 ) -> dict[str, bytes]:
     """report.json and report.html of a run, from what the driver holds and the labelling pass gathered, and
-    with a reference run the cluster sizes over the runs before it (sizes_over_runs)."""
+    with a reference run the cluster sizes of the runs before it (past_sizes) followed by its own."""
     local, server = clustering.local, clustering.server
-    n_devices = dict(zip(clustering.cluster_ids.tolist(), clustering.clusters().n_devices.tolist(), strict=True))
+    clusters = clustering.clusters()
+    sizes_over_runs = None
+    if past is not None:
+        own = pd.DataFrame(
+            {"run_id": summary["run_id"], "cluster_id": clustering.cluster_ids, "n_points": clusters.n_points}
+        )
+        sizes_over_runs = pd.concat([past[0], own], ignore_index=True), [*past[1], summary["run_id"]]
+    n_devices = dict(zip(clustering.cluster_ids.tolist(), clusters.n_devices.tolist(), strict=True))
     facts = report.RunFacts(
         summary={**summary, "truth_col": cfg.input.truth_col, "output": absolute(str(cfg.output.path))},
         local_devices=local.devices,
@@ -416,7 +419,7 @@ def run_report(
         truth_cells=evaluation.cells,
         changes=None if changes is None else changes.drop_columns(["devices_in", "devices_out"]).to_pylist(),
         clusters=None if cluster_profiles is None else cluster_summaries(cluster_profiles.to_pandas(), n_devices),
-        sizes_over_runs=over_runs,
+        sizes_over_runs=sizes_over_runs,
     )
     content = report.build(facts)
     return {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 
 from kfed_spark.errors import KFedError
@@ -26,6 +27,7 @@ FEATURE_FIGURES = ("mean", "sd", "population_mean", "population_sd", "standardiz
 def cluster_summaries(profile: pd.DataFrame, n_devices: dict[int, int]) -> list[dict]:
     """One run's cluster_profiles rows as one entry per cluster (by id): its rows, share, devices, and its
     features ranked, most distinctive first."""
+    columns = ["feature", "position", "rank", *FEATURE_FIGURES]
     summaries = []
     for cluster_id, rows in profile.sort_values(["cluster_id", "rank"]).groupby("cluster_id", sort=True):
         first = rows.iloc[0]
@@ -36,21 +38,21 @@ def cluster_summaries(profile: pd.DataFrame, n_devices: dict[int, int]) -> list[
                 "share_of_rows": float(first.share_of_rows),
                 "n_devices": n_devices.get(int(cluster_id)),
                 "features": [
-                    {
-                        "feature": row.feature,
-                        "position": int(row.position),
-                        "rank": int(row["rank"]),
-                        **{name: _number(row[name]) for name in FEATURE_FIGURES},
-                    }
-                    for _, row in rows.iterrows()
+                    {name: json_value(value) for name, value in feature.items()}
+                    for feature in rows[columns].to_dict("records")
                 ],
             }
         )
     return summaries
 
 
-def _number(value) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+def json_value(value):
+    """A value of a pandas row as JSON holds it: None for a null or NaN, plain numbers, ISO timestamps."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, pd.Timestamp):
+        return value.isoformat()
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def cluster_line(summary: dict, top: int = TOLD_FEATURES) -> str:

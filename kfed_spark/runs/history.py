@@ -8,12 +8,10 @@ new to the run that retired it.
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pandas as pd
 
 from kfed_spark.core.identity import DRIFT_COLUMNS
+from kfed_spark.runs.describe import json_value
 
 HISTORY_COLUMNS = (
     "run_id",
@@ -52,16 +50,8 @@ def published_sizes(tables, run_ids: list[str]) -> pd.DataFrame:
 def history_rows(runs: pd.DataFrame) -> list[dict]:
     """The published runs' rows (HISTORY_COLUMNS), oldest first, as plain values (None for a missing figure,
     and for the columns a location of an older version has not got yet)."""
-
-    def plain(value):
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return None
-        if isinstance(value, pd.Timestamp):
-            return value.isoformat()
-        return value.item() if isinstance(value, np.generic) else value
-
     ordered = runs.sort_values(["finished_at", "run_id"])
-    return [{name: plain(row.get(name)) for name in HISTORY_COLUMNS} for _, row in ordered.iterrows()]
+    return [{name: json_value(row.get(name)) for name in HISTORY_COLUMNS} for _, row in ordered.iterrows()]
 
 
 def history_text(rows: list[dict]) -> str:
