@@ -8,7 +8,15 @@ from kfed_spark.bench.synthetic import close_means_mixture
 from kfed_spark.core import local_step as local_step_module
 from kfed_spark.core import server_step as server_step_module
 from kfed_spark.core.labels import nearest_device_center
-from kfed_spark.core.linalg import centered, device_rng, kmeans_plusplus, lloyd, nearest_center, squared_distances
+from kfed_spark.core.linalg import (
+    centered,
+    device_rng,
+    distinct_rows,
+    kmeans_plusplus,
+    lloyd,
+    nearest_center,
+    squared_distances,
+)
 from kfed_spark.core.local_centers import feature_matrix
 from kfed_spark.core.local_step import device_local_step, estimate_local_k, local_steps
 from kfed_spark.core.metrics import adjusted_rand_index, within_cluster_cost
@@ -107,6 +115,29 @@ def test_device_with_few_distinct_rows_sends_them_with_multiplicities():
     np.testing.assert_array_equal(result.counts, [5, 3])
 
 
+@pytest.mark.parametrize("rows", ["continuous", "duplicated", "first_value_tied", "mostly_tied"])
+def test_distinct_rows_are_each_owners_np_unique(rows):
+    """distinct_rows per owner is np.unique(axis=0, return_counts=True) whichever of its paths it takes:
+    no tie on (owner, first value), some ties (whole rows equal or not), or most rows tied."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(600, 3))
+    if rows == "duplicated":
+        x[300:400] = x[:100]
+    elif rows == "first_value_tied":
+        x[::4, 0] = 0.5
+        x[1::8] = x[::8]
+    elif rows == "mostly_tied":
+        x[:, 0] = np.round(x[:, 0])
+        x[::3] = x[1::3]
+    owner = rng.integers(0, 7, size=len(x))
+    distinct, counts, owned = distinct_rows(x, owner)
+    for device in range(7):
+        expected, expected_counts = np.unique(x[owner == device], axis=0, return_counts=True)
+        np.testing.assert_array_equal(distinct[owned == device], expected)
+        np.testing.assert_array_equal(counts[owned == device], expected_counts)
+    assert np.all(np.diff(owned) >= 0)
+
+
 def test_fewer_dimensions_than_local_clusters():
     rng = np.random.default_rng(2)
     means = np.array([[0.0, 0.0], [20.0, 0.0], [0.0, 20.0], [20.0, 20.0], [40.0, 40.0]])
@@ -174,9 +205,10 @@ def test_rough_clusterings_of_rows_that_run_out_of_distinct_points_fall_back_to_
     np.testing.assert_array_equal(np.sort(rough[0][present[0]], axis=0), [[0.0, 0.0], [5.0, 5.0]])
 
 
-def test_a_device_finds_the_same_local_centers_alone_and_among_others():
-    """A device's result does not depend on which devices share its block: the same draws, the same
-    padding, the same floating-point operations; and it is what the kernel finds one device at a time."""
+def test_a_device_finds_the_same_local_centers_alone_and_among_others(monkeypatch):
+    """A device's result does not depend on which devices share its block or its pass over the rows: the
+    same draws, the same padding, the same floating-point operations; and it is what the kernel finds one
+    device at a time."""
     table = close_means_mixture(0, devices=40, rows=(5, 300))
     x = feature_matrix(table.column("features"))
     devices = table.column("device_id").to_numpy()
@@ -190,6 +222,11 @@ def test_a_device_finds_the_same_local_centers_alone_and_among_others():
         np.testing.assert_array_equal(mine.centers, alone.centers)
         np.testing.assert_array_equal(mine.counts, alone.counts)
         np.testing.assert_array_equal(mine.sse, alone.sse)
+    monkeypatch.setattr(local_step_module, "ROWS_PER_PASS", 1000)  # passes of a few devices each
+    in_passes = local_steps(x, starts, keys, np.full(len(keys), 7), params)
+    for name in ("owner", "centers", "counts", "sse"):
+        np.testing.assert_array_equal(getattr(in_passes, name), getattr(together, name))
+    monkeypatch.undo()
     uneven = np.full(len(keys), 7)
     uneven[::3] = 3  # devices of other k in the same call: other blocks, the same results
     mixed = local_steps(x, starts, keys, uneven, params)

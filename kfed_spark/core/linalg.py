@@ -66,9 +66,9 @@ def distinct_rows(x: np.ndarray, owner: np.ndarray | None = None) -> tuple[np.nd
     lexicographic order within each, how often each occurs and its owner: per owner, what
     np.unique(x, axis=0, return_counts=True) returns, a tenth of its time on continuous features.
 
-    Rows are sorted by (owner, first value); only runs of rows that tie on both are sorted by all
-    their values (where most rows tie, as on images whose first pixel is always 0, np.unique sorts
-    every value once).
+    Rows are sorted by (owner, first value); only runs of rows that tie on both are sorted and
+    compared by all their values (where most rows tie, as on images whose first pixel is always 0,
+    np.unique sorts every value once).
     """
     x = np.asarray(x, dtype=np.float64)
     owner = np.zeros(len(x), dtype=np.int64) if owner is None else np.asarray(owner, dtype=np.int64)
@@ -80,14 +80,17 @@ def distinct_rows(x: np.ndarray, owner: np.ndarray | None = None) -> tuple[np.nd
     if np.count_nonzero(tied) > len(x) // 2:
         keyed, counts = np.unique(np.column_stack([owner.astype(np.float64), x]), axis=0, return_counts=True)
         return np.ascontiguousarray(keyed[:, 1:]), counts, keyed[:, 0].astype(np.int64)
-    if tied.any():
-        in_run = np.zeros(len(x), dtype=bool)
-        in_run[1:] |= tied
-        in_run[:-1] |= tied
-        run = np.cumsum(np.concatenate([[True], ~tied]))
-        rows = np.flatnonzero(in_run)
-        ordered[rows] = ordered[rows[np.lexsort((*ordered[rows, ::-1].T, run[rows]))]]  # last key first
-    change = np.any(ordered[1:] != ordered[:-1], axis=1) | (owned[1:] != owned[:-1])
+    if not tied.any():
+        return ordered, np.ones(len(x), dtype=np.int64), owned
+    in_run = np.zeros(len(x), dtype=bool)
+    in_run[1:] |= tied
+    in_run[:-1] |= tied
+    run = np.cumsum(np.concatenate([[True], ~tied]))
+    rows = np.flatnonzero(in_run)
+    ordered[rows] = ordered[rows[np.lexsort((*ordered[rows, ::-1].T, run[rows]))]]  # last key first
+    pairs = np.flatnonzero(tied)  # only neighbours that tie on (owner, first value) can be equal
+    change = ~tied
+    change[pairs] = np.any(ordered[pairs + 1] != ordered[pairs], axis=1)
     starts = np.flatnonzero(np.concatenate([[True], change]))
     return ordered[starts], np.diff(np.append(starts, len(x))), owned[starts]
 
