@@ -70,8 +70,14 @@ def test_figures_and_sample_do_not_depend_on_the_partitioning():
         blobs = [blob for table in tables for blob in table.column(EVALUATION_COL).to_pylist() if blob is not None]
         return Evaluation.merge(blobs, 100, 2), pa.concat_tables(tables)
 
-    one, labelled = evaluation([0, 10, 20, 30, n])
-    other, _ = evaluation([0, 1000, 1700, 2900, n])
+    one, labelled = evaluation([0, 10, 20, 30, n])  # batches of a few rows per device, then of hundreds
+    other, labelled_other = evaluation([0, 1000, 1700, 2900, n])
+    for name in ("local_cluster_id", "cluster_id", "__kfed_sq_dist", "margin"):  # bit for bit
+        assert labelled.column(name).equals(labelled_other.column(name)), name
+    pairs, pairs_other = one.device_clusters.sort_index(), other.device_clusters.sort_index()
+    assert pairs.index.equals(pairs_other.index) and pairs.n_points.sum() == sum(r is None for r in reasons)
+    np.testing.assert_array_equal(pairs.n_points, pairs_other.n_points)
+    np.testing.assert_allclose(pairs.sum_sq_dist, pairs_other.sum_sq_dist, rtol=1e-12)
     rows = np.array([r is None for r in reasons])
     clusters = labelled.column("cluster_id").to_numpy(zero_copy_only=False)[rows].astype(int)
     classes = np.array([str(t) for t in truth_values], dtype=object)[rows]

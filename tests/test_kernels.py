@@ -5,6 +5,7 @@ import pytest
 from sklearn.metrics import adjusted_rand_score
 
 from kfed_spark.bench.synthetic import close_means_mixture
+from kfed_spark.core import labels as labels_module
 from kfed_spark.core import local_step as local_step_module
 from kfed_spark.core import server_step as server_step_module
 from kfed_spark.core.labels import nearest_device_center
@@ -426,6 +427,23 @@ def test_nearest_device_center_uses_each_rows_own_device():
     labels, dist = nearest_device_center(x, np.array([0, 1, 1]), device_centers, valid)
     np.testing.assert_array_equal(labels, [1, 0, 0])
     np.testing.assert_allclose(dist, [1.0, 16.0, 36.0])
+
+
+def test_nearest_device_center_sums_the_same_device_by_device_as_row_by_row(monkeypatch):
+    """Rows of devices that hold many rows of a batch are multiplied device by device, others row by row
+    against a copy of their device's centers: the same floating-point sums, so a row's local center and
+    distance do not depend on which rows share its batch."""
+    rng = np.random.default_rng(10)
+    device_centers = rng.normal(size=(30, 8, 32)) * 10.0
+    valid = rng.random((30, 8)) < 0.9
+    valid[:, 0] = True
+    slots = rng.permutation(np.repeat(np.arange(30), 200))  # devices of 200 rows each, in no order
+    x = device_centers[slots, rng.integers(0, 8, len(slots))] + rng.normal(size=(len(slots), 32))
+    by_device = nearest_device_center(x, slots, device_centers, valid)
+    monkeypatch.setattr(labels_module, "ROWS_PER_DEVICE_PRODUCT", len(x) + 1)
+    by_row = nearest_device_center(x, slots, device_centers, valid)
+    np.testing.assert_array_equal(by_device[0], by_row[0])
+    np.testing.assert_array_equal(by_device[1], by_row[1])
 
 
 def test_adjusted_rand_index_matches_scikit_learn():

@@ -72,8 +72,7 @@ class PartitionEvaluation:
         """Labelled rows: their devices, truth values (None without a truth column), features, clusters
         and squared distances to their global centers."""
         if len(x):
-            pairs = pd.DataFrame({"n_points": 1, "sum_sq_dist": sq_dist}).groupby([devices, cluster]).sum()
-            self.profiles.append(pairs)
+            self.profiles.append(pair_sums(devices, cluster, sq_dist))
             if self.spec.profiles:
                 self.cluster_moments.append(ClusterMoments.of(x, cluster))
         if self.spec.sample_below:
@@ -101,6 +100,19 @@ class PartitionEvaluation:
             ClusterMoments.merge(self.cluster_moments, len(self.origin)) if self.cluster_moments else None,
         )
         return base64.b64encode(zlib.compress(pickle.dumps(figures, protocol=pickle.HIGHEST_PROTOCOL), 1)).decode()
+
+
+def pair_sums(devices: np.ndarray, cluster: np.ndarray, sq_dist: np.ndarray) -> pd.DataFrame:
+    """Rows (n_points) and their sum of squared distances (sum_sq_dist) per (device, cluster) pair, indexed
+    by the pair in no particular order: hash codes of the devices and of the pairs, then bincounts (a
+    groupby on two keys costs a batch several times more)."""
+    device_codes, device_ids = pd.factorize(devices)
+    width = int(cluster.max()) + 1
+    pair_codes, pairs = pd.factorize(device_codes * width + cluster)
+    return pd.DataFrame(
+        {"n_points": np.bincount(pair_codes), "sum_sq_dist": np.bincount(pair_codes, weights=sq_dist)},
+        index=pd.MultiIndex.from_arrays([device_ids[pairs // width], pairs % width]),
+    )
 
 
 def _added(parts: list):

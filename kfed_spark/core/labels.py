@@ -15,20 +15,49 @@ from kfed_spark.core.linalg import DISTANCE_CHUNK_ELEMENTS, centered, plain
 
 
 def nearest_device_center(
-    x: np.ndarray, slots: np.ndarray, device_centers: np.ndarray, device_center_valid: np.ndarray
+    x: np.ndarray,
+    slots: np.ndarray,
+    device_centers: np.ndarray,
+    device_center_valid: np.ndarray,
+    center_sq: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """For each row, the nearest of its own device's local centers.
 
     device_centers is (devices, k', d), padded; device_center_valid (devices, k') marks real
-    centers; slots gives each row's device index. Returns (local index, squared distance).
+    centers; center_sq (devices, k') their squared norms (computed here if not given); slots gives
+    each row's device index. Returns (local index, squared distance).
     """
-    rows = device_centers[slots]
-    dist = np.einsum("ij,ij->i", x, x)[:, None] - 2.0 * np.einsum("ij,ikj->ik", x, rows)
-    dist += np.einsum("ikj,ikj->ik", rows, rows)
+    if center_sq is None:
+        center_sq = squared_norms(device_centers)
+    dist = np.einsum("ij,ij->i", x, x)[:, None] - 2.0 * _products(x, slots, device_centers)
+    dist += center_sq[slots]
     np.maximum(dist, 0.0, out=dist)
     dist[~device_center_valid[slots]] = np.inf
     labels = np.argmin(dist, axis=1)
     return labels, dist[np.arange(len(x)), labels]
+
+
+ROWS_PER_DEVICE_PRODUCT = 64
+"""A batch whose devices hold at least this many of its rows on average is multiplied device by device."""
+
+
+def _products(x: np.ndarray, slots: np.ndarray, device_centers: np.ndarray) -> np.ndarray:
+    """(n, k'): each row's dot product with each of its device's centers. Where devices hold many rows each,
+    a device's rows against its own centers at a time; else each row against a copy of its device's
+    centers (one copy per row costs less than a numpy call per device). The same sums either way."""
+    order = np.argsort(slots, kind="stable")
+    bounds = np.flatnonzero(slots[order][1:] != slots[order][:-1]) + 1
+    if len(x) < ROWS_PER_DEVICE_PRODUCT * (len(bounds) + 1):
+        return np.einsum("ij,ikj->ik", x, device_centers[slots])
+    out = np.empty((len(x), device_centers.shape[1]))
+    for rows in np.split(order, bounds):
+        out[rows] = np.einsum("ij,kj->ik", x[rows], device_centers[slots[rows[0]]])
+    return out
+
+
+def squared_norms(device_centers: np.ndarray) -> np.ndarray:
+    """(devices, k') squared norms of padded local centers (devices, k', d)."""
+    return np.einsum("ikj,ikj->ik", device_centers, device_centers)
 
 
 @dataclass(frozen=True)
@@ -98,6 +127,11 @@ class LabelModel:
         )
 
     @functools.cached_property
+    def center_sq(self) -> np.ndarray:
+        """The local centers' squared norms (devices, k'), computed once per model."""
+        return squared_norms(self.device_centers)
+
+    @functools.cached_property
     def device_index(self) -> pd.Index:
         """The devices' hash index, built once per model (a worker labels many batches with one model)."""
         return pd.Index(self.devices)
@@ -113,7 +147,7 @@ class LabelModel:
         seen = np.flatnonzero(~unseen) if np.any(unseen) else slice(None)  # a slice: no copy of x in the usual case
         local = np.full(len(x), -1, dtype=np.int64)
         assigned = np.full(len(x), -1, dtype=np.int64)  # -1: the nearest global center
-        nearest, _ = nearest_device_center(x[seen], slots[seen], self.device_centers, self.center_valid)
+        nearest, _ = nearest_device_center(x[seen], slots[seen], self.device_centers, self.center_valid, self.center_sq)
         local[seen] = self.center_local[slots[seen], nearest]
         if self.label_mode != "nearest":
             assigned[seen] = self.center_cluster[slots[seen], nearest]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 
 
@@ -35,8 +36,9 @@ class ClusterMoments:
     def of(cls, x: np.ndarray, cluster: np.ndarray) -> ClusterMoments:
         """The moments of rows x (n, d) labelled cluster (n,): sums by (cluster, feature) with one bincount over
         the flattened cells, then the squared deviations from the means the same way."""
-        ids, position, n = np.unique(cluster, return_inverse=True, return_counts=True)
+        position, ids = pd.factorize(cluster, sort=True)
         k, d = len(ids), x.shape[1]
+        n = np.bincount(position, minlength=k)
         cells = (position[:, None] * d + np.arange(d)).ravel()
         mean = np.bincount(cells, weights=x.ravel(), minlength=k * d).reshape(k, d) / np.maximum(n, 1)[:, None]
         deviation = x - mean[position]
