@@ -8,7 +8,7 @@ from kfed_spark.bench.synthetic import close_means_mixture
 from kfed_spark.core import labels as labels_module
 from kfed_spark.core import local_step as local_step_module
 from kfed_spark.core import server_step as server_step_module
-from kfed_spark.core.labels import nearest_device_center
+from kfed_spark.core.labels import nearest_device_center, squared_norms
 from kfed_spark.core.linalg import (
     centered,
     device_rng,
@@ -424,7 +424,7 @@ def test_nearest_device_center_uses_each_rows_own_device():
     device_centers = np.array([[[0.0], [10.0]], [[5.0], [0.0]]])
     valid = np.array([[True, True], [True, False]])
     x = np.array([[9.0], [9.0], [-1.0]])
-    labels, dist = nearest_device_center(x, np.array([0, 1, 1]), device_centers, valid)
+    labels, dist = nearest_device_center(x, np.array([0, 1, 1]), device_centers, valid, squared_norms(device_centers))
     np.testing.assert_array_equal(labels, [1, 0, 0])
     np.testing.assert_allclose(dist, [1.0, 16.0, 36.0])
 
@@ -439,9 +439,10 @@ def test_nearest_device_center_sums_the_same_device_by_device_as_row_by_row(monk
     valid[:, 0] = True
     slots = rng.permutation(np.repeat(np.arange(30), 200))  # devices of 200 rows each, in no order
     x = device_centers[slots, rng.integers(0, 8, len(slots))] + rng.normal(size=(len(slots), 32))
-    by_device = nearest_device_center(x, slots, device_centers, valid)
+    center_sq = squared_norms(device_centers)
+    by_device = nearest_device_center(x, slots, device_centers, valid, center_sq)
     monkeypatch.setattr(labels_module, "ROWS_PER_DEVICE_PRODUCT", len(x) + 1)
-    by_row = nearest_device_center(x, slots, device_centers, valid)
+    by_row = nearest_device_center(x, slots, device_centers, valid, center_sq)
     np.testing.assert_array_equal(by_device[0], by_row[0])
     np.testing.assert_array_equal(by_device[1], by_row[1])
 

@@ -19,16 +19,14 @@ def nearest_device_center(
     slots: np.ndarray,
     device_centers: np.ndarray,
     device_center_valid: np.ndarray,
-    center_sq: np.ndarray | None = None,
+    center_sq: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """For each row, the nearest of its own device's local centers.
 
     device_centers is (devices, k', d), padded; device_center_valid (devices, k') marks real
-    centers; center_sq (devices, k') their squared norms (computed here if not given); slots gives
+    centers; center_sq (devices, k') their squared norms (squared_norms, once per model); slots gives
     each row's device index. Returns (local index, squared distance).
     """
-    if center_sq is None:
-        center_sq = squared_norms(device_centers)
     dist = np.einsum("ij,ij->i", x, x)[:, None] - 2.0 * _products(x, slots, device_centers)
     dist += center_sq[slots]
     np.maximum(dist, 0.0, out=dist)
