@@ -286,14 +286,22 @@ def command_forget(args: argparse.Namespace) -> int:
     if not done:
         print(f"no published run under {tables.root} holds rows of {', '.join(args.devices)}: nothing to forget")
     for run in done:
-        print(
-            f"run {run.run_id}: attempt {run.attempt_id} published without {run.n_devices} of the devices "
-            f"({run.n_rows_removed} rows removed; {run.k} clusters, {run.n_ids_kept} kept their ids); attempt "
-            f"{run.superseded_attempt_id} superseded and its rows deleted"
-        )
-        if run.mlflow_run_id:
+        if run.retracted:
             print(
-                f"run {run.run_id}: MLflow run {run.mlflow_run_id} logged the superseded attempt, with the devices' "
+                f"run {run.run_id}: retracted, with no attempt published now: without {run.n_devices} of the "
+                f"devices, {run.retracted}; attempt {run.superseded_attempt_id} and its {run.n_rows_removed} rows "
+                "deleted"
+            )
+        else:
+            print(
+                f"run {run.run_id}: attempt {run.attempt_id} published without {run.n_devices} of the devices "
+                f"({run.n_rows_removed} rows removed; {run.k} clusters, {run.n_ids_kept} kept their ids); attempt "
+                f"{run.superseded_attempt_id} superseded and its rows deleted"
+            )
+        if run.mlflow_run_id:
+            replaced = "retracted" if run.retracted else "superseded"
+            print(
+                f"run {run.run_id}: MLflow run {run.mlflow_run_id} logged the {replaced} attempt, with the devices' "
                 "local centers; forget does not change MLflow: delete that run there"
             )
     if done:

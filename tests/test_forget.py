@@ -182,3 +182,47 @@ def test_forget_then_vacuum_leaves_no_file_that_holds_the_device(
         spark.sql(f"ALTER TABLE delta.`{out / name}` SET TBLPROPERTIES ({retention})")
     assert main(["maintain", "--output", str(out), "--vacuum"]) == 0
     assert files_holding_device_3() == []
+
+
+def test_a_run_that_nothing_is_left_of_is_retracted(spark, capsys, tmp_path, mixture_path):
+    """Three runs: `all` over the mixture, `few` over three of its devices with k = 4, and `assigned` with few's
+    model over the same three. Forgetting two of them: `all` gets a new attempt; `few` keeps three local centers,
+    fewer than its k, so a run without the devices would fail: it is retracted (one commit of its runs row),
+    and `assigned`, whose model is gone, with it. Neither then shows in any published table, no current file
+    holds a row of the devices, their report folders are gone, and running `few` again publishes it."""
+    rows = pq.read_table(mixture_path)
+    few, out = tmp_path / "few", tmp_path / "out"
+    write_parquet_folder(rows.filter(pa.compute.is_in(rows.column("device_id"), pa.array([0, 1, 2], pa.int64()))), few)
+    config = write_empty_config(tmp_path)
+    settings = [f"output.path={out}", f"k_per_device={MIXTURE['k_per_device']}", "seed=11"]
+    assert run_cli(config, f"input.path={mixture_path}", "run_id=all", f"k={MIXTURE['k']}", *settings) == 0
+    assert run_cli(config, f"input.path={few}", "run_id=few", "k=4", *settings) == 0
+    assign = ["assign", "--model-run", "few", "--config", str(config)]
+    assert main([*assign, *(f"--set={s}" for s in (f"input.path={few}", "run_id=assigned", *settings))]) == 0
+    before = {r.run_id: r for r in runs_of(spark, out)}
+    capsys.readouterr()
+
+    assert main(["forget", "--output", str(out), "--device", "0", "--device", "1", "--all-runs"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("run all: attempt ")
+    assert printed[1:3] == [
+        "run few: retracted, with no attempt published now: without 2 of the devices, k = 4 is more than the 3 "
+        f"distinct local centers the devices share; attempt {before['few'].attempt_id} and its 300 rows deleted",
+        "run assigned: retracted, with no attempt published now: without 2 of the devices, the model it takes, "
+        f"run few's, is no longer published; attempt {before['assigned'].attempt_id} and its 300 rows deleted",
+    ]
+    runs = {r.attempt_id: r for r in runs_of(spark, out)}
+    for run_id in ("few", "assigned"):
+        retracted = runs[before[run_id].attempt_id]
+        assert (retracted.status, retracted.rows_removed, retracted.forgotten_devices) == ("retracted", True, 2)
+        assert retracted.publish_seq == before[run_id].publish_seq + 1
+        assert retracted.error.startswith("retracted by forget: ")
+        assert not (out / "reports" / run_id).exists() or not any((out / "reports" / run_id).iterdir())
+    for name in DATA_TABLES:
+        assert {r.run_id for r in published(spark, out, name).select("run_id").distinct().collect()} <= {"all"}, name
+    for name in ("labels", "quarantine", "local_centers", "device_clusters"):
+        current = spark.read.format("delta").load(str(out / name))  # every attempt's rows, not only published
+        assert current.filter(current.device_id.isin(0, 1)).count() == 0, name
+
+    assert run_cli(config, f"input.path={few}", "run_id=few", "k=4", *settings) == 0
+    assert published(spark, out, "labels").filter("run_id = 'few'").count() == 3 * MIXTURE["points_per_device"]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kfed_spark.store.ledger import committed_publish_seqs, process_gone, published_attempts
+from kfed_spark.store.ledger import committed_publish_seqs, highest_cluster_id, process_gone, published_attempts
 from kfed_spark.store.tables import RunRecord
 
 pytestmark = pytest.mark.fast
@@ -25,16 +25,27 @@ ROWS = [
     attempt("day2", "e", "running", 1),
     attempt("day3", "f", "succeeded", 1),
     attempt("day3", "g", "succeeded", 2),  # published; f is superseded but not yet marked
+    attempt("day4", "h", "superseded", 1),
+    attempt("day4", "i", "retracted", 2),  # an erasure took its run back: nothing published
 ]
 
 
 def test_only_committed_publish_numbers_count():
     committed = committed_publish_seqs(ROWS)
-    assert (committed["day1"], committed["day2"], committed["day3"], committed["new"]) == (2, 0, 2, 0)
+    assert [committed[run] for run in ("day1", "day2", "day3", "day4", "new")] == [2, 0, 2, 2, 0]
 
 
 def test_the_published_attempt_is_the_succeeded_one_with_the_highest_number():
     assert published_attempts(ROWS) == {"day1": "b", "day3": "g"}
+
+
+def test_a_retracted_run_s_cluster_ids_stay_used():
+    def published_with(status, run_id, highest):
+        return RunRecord.of({"run_id": run_id, "attempt_id": run_id, "status": status, "highest_cluster_id": highest})
+
+    rows = [published_with("succeeded", "day1", 7), published_with("retracted", "day2", 11)]
+    assert highest_cluster_id(rows, "day3") == 11
+    assert highest_cluster_id(rows, "day2") == 7  # a re-run of the retracted run id may take its ids again
 
 
 def test_a_process_is_gone_only_when_certain():

@@ -27,6 +27,9 @@ RUNS = [
     # run b: nothing published; run c: one attempt
     ("b", "b-1", "failed", None, "2026-11-30 03:10", 600),
     ("c", "c-1", "succeeded", 1, "2026-11-30 03:10", 700),
+    # run d: its published attempt retracted by an erasure (the one before it superseded): nothing published
+    ("d", "d-1", "superseded", 1, "2026-12-01 03:10", 800),
+    ("d", "d-2", "retracted", 3, "2026-12-01 03:20", 900),
 ]
 PUBLISHED = {"a": "a-1", "c": "c-1"}
 
@@ -55,7 +58,9 @@ def test_the_job_s_bookkeeping_applies_the_same_rule():
 def test_the_readme_s_duckdb_view_shows_the_published_attempts_only():
     con = duckdb.connect()
     con.register("runs", runs_table())
-    labels = pa.table({"run_id": [r[0] for r in RUNS], "attempt_id": [r[1] for r in RUNS], "cluster_id": [0] * 7})
+    labels = pa.table(
+        {"run_id": [r[0] for r in RUNS], "attempt_id": [r[1] for r in RUNS], "cluster_id": [0] * len(RUNS)}
+    )
     con.register("labels", labels)
     con.sql(DUCKDB_PUBLISHED_LABELS)
     assert dict(con.sql("SELECT run_id, attempt_id FROM published_labels").fetchall()) == PUBLISHED
@@ -78,5 +83,6 @@ def test_the_dag_checks_the_published_attempt(tmp_path):
     by_attempt = {row[1]: row[5] for row in RUNS}
     for run_id, attempt in PUBLISHED.items():
         assert check_run(str(tmp_path), run_id, "0.0")["n_input"] == by_attempt[attempt]
-    with pytest.raises(ValueError, match="did not succeed"):
-        check_run(str(tmp_path), "b", "0.0")
+    for run_id in ("b", "d"):
+        with pytest.raises(ValueError, match="did not succeed"):
+            check_run(str(tmp_path), run_id, "0.0")

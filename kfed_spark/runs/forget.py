@@ -17,6 +17,11 @@ new attempt is what a run over the input without those devices gives, without re
 A published forget attempt keeps its run's start and finish times, so the newest run stays the newest.
 The earlier attempts are then superseded and their rows and report files deleted (a tidy-up); their
 Parquet files leave the tables' folders at the next VACUUM after the tables' retention period.
+
+Where nothing of a run can be clustered without the devices (no local center left, fewer than k, or the
+model it takes is retracted), a run over its input without them would fail: its published attempt is
+retracted instead (kfed_spark.store.ledger), and the run id has none published. An erasure is never refused
+for what the devices leave behind.
 """
 
 from __future__ import annotations
@@ -66,16 +71,21 @@ log = logging.getLogger("kfed_spark")
 
 @dataclass(frozen=True)
 class Forgotten:
-    """One run's new attempt without the devices."""
+    """One run's new attempt without the devices, or its retraction."""
 
     run_id: str
-    attempt_id: str
-    superseded_attempt_id: str
+    attempt_id: str | None  # the new attempt, None where the run was retracted
+    superseded_attempt_id: str  # the attempt it replaced (or retracted)
     n_devices: int  # of the devices asked for, those the run held
-    n_rows_removed: int  # their labelled and quarantined rows
+    n_rows_removed: int  # their labelled and quarantined rows (every row of a retracted run)
     k: int
     n_ids_kept: int  # clusters that kept the superseded attempt's id
     mlflow_run_id: str | None  # the superseded attempt's MLflow run, which forget does not change
+    retracted: str | None = None  # why nothing of the run is left to publish, where it was retracted
+
+
+class NothingLeft(Exception):
+    """Nothing of a run can be clustered without the devices: a run over its input without them would fail."""
 
 
 def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) -> list[Forgotten]:
@@ -98,7 +108,10 @@ def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) 
     affected = models_first([r for r in rows if held.get(r.run_id)])
     forgotten_first = {r.run_id for r in affected}
     for row in affected:  # refused before anything is written
-        if row.parent_run_id not in (None, *forgotten_first) and model_holds(parent_model(tables, row), devices):
+        parent = row.parent_run_id
+        if parent in (None, *forgotten_first) or not model_published(parent, published):
+            continue  # no model, one forgotten first, or one retracted (the run is then retracted too)
+        if model_holds(parent_model(tables, row), devices):
             raise KFedError(
                 f"run {row.run_id!r} takes the model of {row.parent_run_id}, which holds the devices too: "
                 + (
@@ -131,6 +144,12 @@ def parent_model(tables: OutputTables, row: RunRecord) -> StoredModel:
     if origin.startswith(SAVED_MODEL_ORIGIN):
         return finished_model(tables, path=origin.removeprefix(SAVED_MODEL_ORIGIN))
     return finished_model(tables, origin)
+
+
+def model_published(origin: str, published: dict[str, str]) -> bool:
+    """Whether the model a run took (its parent_run_id) is still there: a saved KFedModel's, or a published run's
+    (`published`: published_attempts)."""
+    return origin.startswith(SAVED_MODEL_ORIGIN) or origin in published
 
 
 def model_holds(model: StoredModel, devices: list[str] | set[str]) -> bool:
@@ -234,6 +253,8 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
         tables.register()
         fault_injection.point("created")
     if row.parent_run_id is not None:  # no server step: the model it takes
+        if not model_published(row.parent_run_id, published_attempts(ledger.rows())):
+            raise NothingLeft(f"the model it takes, run {row.parent_run_id}'s, is no longer published")
         local, server, ids = with_parent_model(tables, row, local, devices)
         model = local.label_model(
             server.assignment, server.centers, cfg.algorithm.label_mode, label_unseen=True, cluster_ids=ids
@@ -249,19 +270,19 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
         )
     stable = row.identity_mode == "stable"
     with timer.stage("server_step"):
-        fitting, chosen = choose_k(local, cfg.fitting, timer)
+        try:
+            fitting, chosen = choose_k(local, cfg.fitting, timer)
+        except KFedError as exc:  # the sweep: k_range above the local centers left
+            raise NothingLeft(str(exc).split(";")[0]) from None
         cfg = dataclasses.replace(cfg, algorithm=fitting.algorithm)
         reference = current_reference(tables, ledger, row) if stable else None
         initial = reference.clusters.centers if reference is not None and cfg.identity.warm_start else None
         try:
             local, server = merged_on_driver(local, cfg.algorithm, initial)
-        except ValueError as exc:
-            raise KFedError(f"run {run_id!r} without those devices: {exc}") from None
+        except ValueError as exc:  # k above the local centers left
+            raise NothingLeft(str(exc).split(";")[0]) from None
         if server is None:
-            raise KFedError(
-                f"run {run_id!r} has no local center left without those devices: nothing in it can be clustered "
-                "again (forget cannot yet publish an empty run)"
-            )
+            raise NothingLeft("no device is left with a local center to share")
     k = len(server.centers)
     summary = ClusterSummary.of(
         np.arange(k), server.centers, server.assignment, local.centers, local.counts, local.sse, local.devices
@@ -293,10 +314,26 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
 
 
 def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices: set[str]) -> Forgotten:
-    """The run's new attempt without the devices (refit), appended and published like a run's attempt."""
+    """The run's new attempt without the devices (refit), appended and published like a run's attempt; or,
+    where nothing of it is left to cluster, its published attempt retracted."""
     run_id, timer = row.run_id, StageTimer()
     cfg = run_config(row, tables)
-    found = refit(tables, ledger, row, cfg, devices, timer)
+    try:
+        found = refit(tables, ledger, row, cfg, devices, timer)
+    except NothingLeft as exc:
+        forgotten = (row.forgotten_devices or 0) + len(devices)
+        ledger.retract(row.changed(forgotten_devices=forgotten), f"retracted by forget: {exc}")
+        return Forgotten(
+            run_id,
+            attempt_id=None,
+            superseded_attempt_id=row.attempt_id,
+            n_devices=len(devices),
+            n_rows_removed=row.n_input or 0,
+            k=0,
+            n_ids_kept=0,
+            mlflow_run_id=row.mlflow_run_id,
+            retracted=str(exc),
+        )
     clustering = found.clustering
     started_at = datetime.now(timezone.utc)
     new_row = row.changed(

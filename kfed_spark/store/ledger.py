@@ -17,7 +17,11 @@ Every attempt has a `runs` row from its start: running, then succeeded or failed
 and the stage timings so far). The next run, or `kfed-spark maintain`, tidies up: an attempt still
 `running` whose process is gone (same host, pid dead), or that can no longer publish because its
 number was taken, becomes `abandoned`; a succeeded attempt that a later one replaced becomes
-`superseded`; and the rows of failed, abandoned and superseded attempts are deleted.
+`superseded`; and the rows of failed, abandoned, superseded and retracted attempts are deleted.
+
+An erasure that leaves nothing of a run to cluster retracts its published attempt instead (retract):
+one fenced commit of that attempt's row as `retracted`, after which the run id has no published
+attempt, as if its runs had all failed.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from kfed_spark.errors import AttemptConflict, ConfigError, first_line
+from kfed_spark.errors import AttemptConflict, ConfigError, KFedError, first_line
 from kfed_spark.runtime.stopping import despite_the_stop
 from kfed_spark.store.delta import attempt_filter, rows_frame
 from kfed_spark.store.output import OutputTables
@@ -38,8 +42,15 @@ from kfed_spark.store.tables import RUNS_SCHEMA, RunRecord
 
 log = logging.getLogger("kfed_spark")
 
-RUNNING, SUCCEEDED, SUPERSEDED, FAILED, ABANDONED = "running", "succeeded", "superseded", "failed", "abandoned"
-FINISHED_UNPUBLISHED = (FAILED, ABANDONED, SUPERSEDED)
+RUNNING, SUCCEEDED, SUPERSEDED, FAILED, ABANDONED, RETRACTED = (
+    "running",
+    "succeeded",
+    "superseded",
+    "failed",
+    "abandoned",
+    "retracted",
+)
+FINISHED_UNPUBLISHED = (FAILED, ABANDONED, SUPERSEDED, RETRACTED)
 """Statuses whose rows no reader sees and the tidy-up deletes."""
 
 
@@ -158,6 +169,36 @@ class Ledger:
                     self.write(other.changed(status=SUPERSEDED))
         except Exception as exc:
             log.warning("could not mark the earlier attempts of run %s superseded: %s", attempt.run_id, first_line(exc))
+
+    def retract(self, row: RunRecord, why: str) -> RunRecord:
+        """Take back the run's published attempt (its runs row `row`, with whatever else the retraction
+        records), so that its run id has none published: one commit of the row as retracted, with `why` as
+        its error, fenced with the run id's next publish number. An attempt of the run id that publishes
+        first wins, and this fails with AttemptConflict; one that began before it can no longer publish (its
+        number is taken). The next tidy-up deletes the attempt's rows.
+
+        Earlier attempts of the run id that still read succeeded are marked superseded first (tidy): were
+        one left, the published rule would fall back to it."""
+        rows = self.tidy()
+        run_id = row.run_id
+        if published_attempts(rows).get(run_id) != row.attempt_id:
+            raise AttemptConflict(f"attempt {row.attempt_id} of run {run_id!r} is no longer the published one")
+        left = [r for r in rows if r.run_id == run_id and r.status == SUCCEEDED and r.attempt_id != row.attempt_id]
+        if left:
+            raise KFedError(
+                f"run {run_id!r} cannot be retracted yet: earlier attempt {left[0].attempt_id} could not be marked "
+                "superseded; try again"
+            )
+        number = committed_publish_seqs(rows)[run_id] + 1
+        retracted = row.changed(status=RETRACTED, publish_seq=number, error=why, rows_removed=False)
+        self.write(retracted, fence=number)
+        if self.status_of(run_id, row.attempt_id) != RETRACTED:
+            winner = published_attempts(self.rows()).get(run_id)
+            raise AttemptConflict(
+                f"run {run_id!r} was not retracted: its attempt {winner} was published while this ran"
+            )
+        log.info("run %s: attempt %s retracted (%s)", run_id, row.attempt_id, why)
+        return retracted
 
     def fail(self, row: RunRecord, error: str) -> None:
         """Record a failed attempt, after deleting its rows (best effort: the next tidy-up retries).
@@ -292,7 +333,7 @@ def highest_cluster_id(rows: list[RunRecord], run_id: str) -> int:
     """The highest cluster id that any attempt of another run id ever published (-1 if none): a row
     of an older version, without highest_cluster_id, used 0..k-1. The run id's own attempts do not
     count, so that a re-run gives its new clusters the same ids again."""
-    ever_published = [r for r in rows if r.status in (SUCCEEDED, SUPERSEDED) and r.run_id != run_id]
+    ever_published = [r for r in rows if r.status in (SUCCEEDED, SUPERSEDED, RETRACTED) and r.run_id != run_id]
     return max(
         (r.k - 1 if r.highest_cluster_id is None else r.highest_cluster_id for r in ever_published),
         default=-1,

@@ -104,8 +104,8 @@ COLUMN_COMMENTS = {
     "nearest other center: 1 on its center, 0 half-way, negative nearer another center",
     "sse": "sum of squared distances of the local cluster's rows to its center",
     "reason": "why the row was not clustered",
-    "status": "running, succeeded, failed, abandoned or superseded",
-    "error": "the one-line error of a failed or abandoned attempt",
+    "status": "running, succeeded, failed, abandoned, superseded or retracted",
+    "error": "the one-line error of a failed or abandoned attempt, or why a retracted one was retracted",
     "publish_seq": "the attempt's publish number: the succeeded attempt with the highest one is published",
     "rows_removed": "whether the rows of this unpublished attempt were deleted from the other tables",
     "host": "the host of the driver process of the attempt",
@@ -329,7 +329,7 @@ class RunRecord:
     run_id: str = _column(StringType())
     attempt_id: str = _column(StringType())
     status: str = _column(StringType())
-    """running, succeeded, superseded, failed or abandoned (kfed_spark.store.ledger)"""
+    """running, succeeded, superseded, failed, abandoned or retracted (kfed_spark.store.ledger)"""
     error: str | None = _column(StringType())
     publish_seq: int | None = _column(LongType())
     rows_removed: bool = _column(BooleanType())
