@@ -172,7 +172,6 @@ def command_describe(args: argparse.Namespace) -> int:
     """A published run's clusters from its cluster_profiles (and centers, for their devices)."""
     import json
 
-    from kfed_spark.config import RUN_ID_PATTERN
     from kfed_spark.runs.describe import (
         TOLD_FEATURES,
         chosen_cluster,
@@ -184,7 +183,9 @@ def command_describe(args: argparse.Namespace) -> int:
 
     tables = output_session(args)
     run_id = args.run or newest_run_id(tables)
-    if not RUN_ID_PATTERN.match(run_id) or not tables.check_log("cluster_profiles"):
+    if tables.published_attempt(run_id) is None:
+        raise tables.unpublished(run_id)
+    if not tables.check_log("cluster_profiles"):
         raise KFedError(f"no cluster profiles of a published run {run_id!r} under {tables.root}")
     of_run = f"run_id = '{run_id}'"
     profile = tables.published("cluster_profiles").filter(of_run).toPandas()

@@ -189,7 +189,8 @@ def test_a_run_that_nothing_is_left_of_is_retracted(spark, capsys, tmp_path, mix
     model over the same three. Forgetting two of them: `all` gets a new attempt; `few` keeps three local centers,
     fewer than its k, so a run without the devices would fail: it is retracted (one commit of its runs row),
     and `assigned`, whose model is gone, with it. Neither then shows in any published table, no current file
-    holds a row of the devices, their report folders are gone, and running `few` again publishes it."""
+    holds a row of the devices, their report folders are gone, describe, report and forget say why in one line,
+    and running `few` again publishes it."""
     rows = pq.read_table(mixture_path)
     few, out = tmp_path / "few", tmp_path / "out"
     write_parquet_folder(rows.filter(pa.compute.is_in(rows.column("device_id"), pa.array([0, 1, 2], pa.int64()))), few)
@@ -223,6 +224,12 @@ def test_a_run_that_nothing_is_left_of_is_retracted(spark, capsys, tmp_path, mix
     for name in ("labels", "quarantine", "local_centers", "device_clusters"):
         current = spark.read.format("delta").load(str(out / name))  # every attempt's rows, not only published
         assert current.filter(current.device_id.isin(0, 1)).count() == 0, name
+
+    why = "retracted by forget: k = 4 is more than the 3 distinct local centers the devices share"
+    for command in (["describe", "--run", "few"], ["report", "few"], ["forget", "--device", "2", "--run", "few"]):
+        assert main([*command, "--output", str(out)]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last == f"kfed-spark: error: no published run 'few' under {out} ({why})", command
 
     assert run_cli(config, f"input.path={few}", "run_id=few", "k=4", *settings) == 0
     assert published(spark, out, "labels").filter("run_id = 'few'").count() == 3 * MIXTURE["points_per_device"]

@@ -79,7 +79,9 @@ def test_every_run_writes_a_report_that_agrees_with_its_tables(spark, published_
     text = capsys.readouterr().out
     assert f"{n_rows} in, {n_rows} labelled, 0 quarantined" in text and "NMI" in text
     assert main(["report", "missing", "--output", str(out)]) == 2
-    assert "no report of a published run 'missing'" in capsys.readouterr().err
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1] == f"kfed-spark: error: no published run 'missing' under {out}"
+    )
 
 
 @pytest.mark.spark

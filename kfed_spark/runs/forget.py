@@ -101,7 +101,7 @@ def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) 
         key=lambda r: (r.finished_at, r.run_id),
     )
     if run_id is not None and not rows:
-        raise KFedError(f"no published run {run_id!r} under {tables.root}")
+        raise tables.unpublished(run_id)
     timer = StageTimer()  # its stages are logged; each attempt's own are in its runs row
     with timer.stage("find"):
         held = devices_held(tables, rows, sorted(set(devices)))

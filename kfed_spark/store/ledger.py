@@ -38,18 +38,19 @@ from kfed_spark.errors import AttemptConflict, ConfigError, KFedError, first_lin
 from kfed_spark.runtime.stopping import despite_the_stop
 from kfed_spark.store.delta import attempt_filter, rows_frame
 from kfed_spark.store.output import OutputTables
-from kfed_spark.store.tables import RUNS_SCHEMA, RunRecord
+from kfed_spark.store.tables import (
+    ABANDONED,
+    FAILED,
+    RETRACTED,
+    RUNNING,
+    RUNS_SCHEMA,
+    SUCCEEDED,
+    SUPERSEDED,
+    RunRecord,
+)
 
 log = logging.getLogger("kfed_spark")
 
-RUNNING, SUCCEEDED, SUPERSEDED, FAILED, ABANDONED, RETRACTED = (
-    "running",
-    "succeeded",
-    "superseded",
-    "failed",
-    "abandoned",
-    "retracted",
-)
 FINISHED_UNPUBLISHED = (FAILED, ABANDONED, SUPERSEDED, RETRACTED)
 """Statuses whose rows no reader sees and the tidy-up deletes."""
 

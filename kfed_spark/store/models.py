@@ -116,15 +116,14 @@ def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel
     """The model of a published run (by default the newest succeeded one), or a one-line error."""
     if run_id is None:
         run_id = newest_run_id(tables)
-    missing = KFedError(f"no published run {run_id!r} under {tables.root}")
     if not RUN_ID_PATTERN.match(run_id) or not tables.check_log("runs") or not tables.check_log("centers"):
-        raise missing
+        raise tables.unpublished(run_id)
     published = tables.spark.sql(
         f"SELECT attempt_id, config FROM ({PUBLISHED_ATTEMPTS.format(runs=tables.source('runs'))}) "
         f"JOIN {tables.source('runs')} USING (run_id, attempt_id) WHERE run_id = '{run_id}'"
     ).collect()
     if not published:
-        raise missing
+        raise tables.unpublished(run_id)
     return attempt_model(tables, run_id, published[0].attempt_id, json.loads(published[0].config))
 
 

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType
 
 from kfed_spark.errors import AttemptConflict, KFedError, first_line
@@ -29,6 +30,7 @@ from kfed_spark.store.tables import (
     DATA_TABLES,
     LATEST_ATTEMPT,
     PUBLISHED_ATTEMPTS,
+    RETRACTED,
     STREAM_TABLES,
 )
 
@@ -254,60 +256,26 @@ class AttemptWrites(TableStore):
                 filesystem.delete_dir(folder)
 
 
-class RunReports(TableStore):
-    """The report files of an attempt, beside the tables under <root>/reports."""
+class PublishedViews(TableStore):
+    """What readers see: the published attempts' rows, as DataFrames and as SQL views."""
 
-    def write_report(self, run_id: str, attempt_id: str, files: dict[str, bytes]) -> None:
-        """The attempt's report files under <root>/reports/<run_id>/<attempt_id>/ (any filesystem pyarrow knows)."""
-        self.attempts_begun.add((run_id, attempt_id))
-        located = self.filesystem(self.report_dir(run_id, attempt_id))
-        if located is None:
-            log.warning("no report written: pyarrow cannot write to %s", self.root)
-            return
-        filesystem, folder = located
-        filesystem.create_dir(folder, recursive=True)
-        for name, data in files.items():
-            with filesystem.open_output_stream(f"{folder}/{name}") as out:
-                out.write(data)
-        log.info("wrote the report of run %s to %s", run_id, folder)
+    def published_attempt(self, run_id: str) -> str | None:
+        """The run id's published attempt here, None without one."""
+        if not self.exists("runs"):
+            return None
+        attempts = self.spark.sql(PUBLISHED_ATTEMPTS.format(runs=self.source("runs")))
+        found = attempts.filter(F.col("run_id") == run_id).collect()
+        return found[0].attempt_id if found else None
 
-    def read_report(self, run_id: str, name: str = "report.json") -> bytes:
-        """A file of the report of a run's published attempt."""
-        rows = (
-            self.spark.sql(
-                f"SELECT attempt_id FROM ({PUBLISHED_ATTEMPTS.format(runs=self.source('runs'))}) "
-                f"WHERE run_id = '{run_id}'"
-            ).collect()
+    def unpublished(self, run_id: str) -> KFedError:
+        """The one-line error for a run id without a published attempt here, saying why where forget retracted it."""
+        retracted = (
+            self.read("runs").filter((F.col("run_id") == run_id) & (F.col("status") == RETRACTED)).collect()
             if self.exists("runs")
             else []
         )
-        located = self.filesystem(f"{self.report_dir(run_id, rows[0].attempt_id)}/{name}") if rows else None
-        if located is None:
-            raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}")
-        filesystem, path = located
-        try:
-            with filesystem.open_input_stream(path) as stream:
-                return stream.read()
-        except FileNotFoundError:
-            raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}") from None
-
-    def report_files(self, run_id: str, attempt_id: str) -> dict[str, bytes]:
-        """Every file of an attempt's report by name; none where it wrote none (or pyarrow cannot read there)."""
-        located = self.filesystem(self.report_dir(run_id, attempt_id))
-        if located is None:
-            return {}
-        filesystem, folder = located
-        found = filesystem.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
-        files = {}
-        for info in found:
-            if info.type == pafs.FileType.File:
-                with filesystem.open_input_stream(info.path) as stream:
-                    files[info.base_name] = stream.read()
-        return files
-
-
-class PublishedViews(TableStore):
-    """What readers see: the published attempts' rows, as DataFrames and as SQL views."""
+        why = f" ({retracted[0].error})" if retracted else ""
+        return KFedError(f"no published run {run_id!r} under {self.root}{why}")
 
     def published(self, name: str) -> DataFrame:
         """The rows of a table that belong to published attempts (what readers see)."""
@@ -349,6 +317,54 @@ class PublishedViews(TableStore):
         return list(views)
 
 
-class OutputTables(LocationChecks, AttemptWrites, RunReports, PublishedViews):
+class RunReports(PublishedViews):
+    """The report files of an attempt, beside the tables under <root>/reports; a run's are read from its
+    published attempt."""
+
+    def write_report(self, run_id: str, attempt_id: str, files: dict[str, bytes]) -> None:
+        """The attempt's report files under <root>/reports/<run_id>/<attempt_id>/ (any filesystem pyarrow knows)."""
+        self.attempts_begun.add((run_id, attempt_id))
+        located = self.filesystem(self.report_dir(run_id, attempt_id))
+        if located is None:
+            log.warning("no report written: pyarrow cannot write to %s", self.root)
+            return
+        filesystem, folder = located
+        filesystem.create_dir(folder, recursive=True)
+        for name, data in files.items():
+            with filesystem.open_output_stream(f"{folder}/{name}") as out:
+                out.write(data)
+        log.info("wrote the report of run %s to %s", run_id, folder)
+
+    def read_report(self, run_id: str, name: str = "report.json") -> bytes:
+        """A file of the report of a run's published attempt."""
+        attempt = self.published_attempt(run_id)
+        if attempt is None:
+            raise self.unpublished(run_id)
+        located = self.filesystem(f"{self.report_dir(run_id, attempt)}/{name}")
+        if located is None:
+            raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}")
+        filesystem, path = located
+        try:
+            with filesystem.open_input_stream(path) as stream:
+                return stream.read()
+        except FileNotFoundError:
+            raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}") from None
+
+    def report_files(self, run_id: str, attempt_id: str) -> dict[str, bytes]:
+        """Every file of an attempt's report by name; none where it wrote none (or pyarrow cannot read there)."""
+        located = self.filesystem(self.report_dir(run_id, attempt_id))
+        if located is None:
+            return {}
+        filesystem, folder = located
+        found = filesystem.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
+        files = {}
+        for info in found:
+            if info.type == pafs.FileType.File:
+                with filesystem.open_input_stream(info.path) as stream:
+                    files[info.base_name] = stream.read()
+        return files
+
+
+class OutputTables(LocationChecks, AttemptWrites, RunReports):
     """The Delta tables of one output location: every read and write of the job's tables, each role a
     class of its own above."""

@@ -52,6 +52,15 @@ STREAM_TABLES = ("stream_labels", "stream_quarantine")
 every row in them is final."""
 PARTITION_COLUMNS = ATTEMPT_COLUMNS
 
+RUNNING, SUCCEEDED, SUPERSEDED, FAILED, ABANDONED, RETRACTED = (
+    "running",
+    "succeeded",
+    "superseded",
+    "failed",
+    "abandoned",
+    "retracted",
+)
+"""The statuses of an attempt's runs row (kfed_spark.store.ledger moves attempts through them)."""
 PUBLISHED_ATTEMPTS = (
     "SELECT run_id, max_by(attempt_id, publish_seq) AS attempt_id FROM {runs} "
     "WHERE status = 'succeeded' GROUP BY run_id"
