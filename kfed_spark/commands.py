@@ -299,11 +299,17 @@ def command_forget(args: argparse.Namespace) -> int:
                 f"({run.n_rows_removed} rows removed; {run.k} clusters, {run.n_ids_kept} kept their ids); attempt "
                 f"{run.superseded_attempt_id} superseded and its rows deleted"
             )
-        if run.mlflow_run_id:
+        if run.mlflow_artifacts_deleted:
+            print(
+                f"run {run.run_id}: the artifacts of its attempts' MLflow runs, the devices' local centers among "
+                f"them, are deleted ({', '.join(run.mlflow_artifacts_deleted)}); their params and metrics stay in "
+                "MLflow"
+            )
+        if run.mlflow_run_id and not any(f.endswith(f"/{run.mlflow_run_id}") for f in run.mlflow_artifacts_deleted):
             replaced = "retracted" if run.retracted else "superseded"
             print(
                 f"run {run.run_id}: MLflow run {run.mlflow_run_id} logged the {replaced} attempt, with the devices' "
-                "local centers; forget does not change MLflow: delete that run there"
+                "local centers in artifacts that its experiment keeps elsewhere; delete that run in MLflow"
             )
     if done:
         print(

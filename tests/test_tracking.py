@@ -119,7 +119,8 @@ def test_an_experiment_that_tracking_creates_keeps_its_artifacts_where_the_table
     spark, config, mixture_path, s3, tmp_path, tracking_server, monkeypatch
 ):
     """Tables on the bucket: the new experiment's artifacts go to <output>/mlflow in the bucket, written with
-    the config's S3A settings alone (the CLI has no AWS or MLflow variable), and MLflow reads the model there."""
+    the config's S3A settings alone (the CLI has no AWS or MLflow variable), and MLflow reads the model there.
+    `forget` then deletes them (the model holds every device's local centers), with the same settings."""
     out = s3.url("tracked-out")
     on_bucket = s3.config(config, s3.upload(Path(mixture_path), "tracked-in"), out, tmp_path / "bucket.yaml")
     tracking = ["--set", f"tracking.mlflow.uri={tracking_server}", "--set", "tracking.mlflow.experiment=kfed-bucket"]
@@ -141,6 +142,15 @@ def test_an_experiment_that_tracking_creates_keeps_its_artifacts_where_the_table
     labels = duckdb_published(out, "labels", s3.storage_options).sort_by("row_id").slice(0, 300).to_pandas()
     rows = pd.DataFrame({"device_id": labels.device_id, "features": labels.features.map(np.asarray)})
     assert list(model.predict(rows)) == list(labels.cluster_id)
+
+    forget = ["forget", "--config", str(on_bucket), "--device", "3", "--run", "first"]
+    forgot = run_cli_process(*forget, env=user_environment(), cwd=tmp_path)
+    assert forgot.returncode == 0, forgot.stderr[-3000:]
+    assert (
+        "run first: the artifacts of its attempts' MLflow runs, the devices' local centers among them, are deleted "
+        f"({out}/mlflow/{row['mlflow_run_id']}); their params and metrics stay in MLflow"
+    ) in forgot.stdout.splitlines()
+    assert s3.keys(artifacts) == [] and s3.keys("tracked-out/labels")
 
 
 def test_a_tracking_server_that_refuses_connections_costs_a_run_seconds_not_minutes(spark, config, tmp_path):

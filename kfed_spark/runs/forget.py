@@ -31,7 +31,7 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import reduce
+from functools import partial, reduce
 
 import numpy as np
 import pyarrow as pa
@@ -56,6 +56,7 @@ from kfed_spark.core.local_centers import LocalCenters
 from kfed_spark.core.server_step import GlobalClusters
 from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.runs.attempt import AttemptContext, LabelledRows, k_sweep_column, package_versions, write_attempt
+from kfed_spark.runs.tracking import delete_run_artifacts
 from kfed_spark.runtime import fault_injection
 from kfed_spark.runtime.failures import describe
 from kfed_spark.spark.columns import ADDED_COLUMNS
@@ -80,7 +81,8 @@ class Forgotten:
     n_rows_removed: int  # their labelled and quarantined rows (every row of a retracted run)
     k: int
     n_ids_kept: int  # clusters that kept the superseded attempt's id
-    mlflow_run_id: str | None  # the superseded attempt's MLflow run, which forget does not change
+    mlflow_run_id: str | None  # the superseded attempt's MLflow run
+    mlflow_artifacts_deleted: list[str]  # the artifacts folders of the run's attempts' MLflow runs, deleted
     retracted: str | None = None  # why nothing of the run is left to publish, where it was retracted
 
 
@@ -120,7 +122,10 @@ def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) 
                     else "forget them there too (--all-runs)"
                 )
             )
-    done = [forget_in_run(tables, ledger, row, held[row.run_id]) for row in affected]
+    done = []
+    for row in affected:
+        logged = sorted({r.mlflow_run_id for r in known if r.run_id == row.run_id and r.mlflow_run_id})
+        done.append(forget_in_run(tables, ledger, row, held[row.run_id], logged))
     if done:
         with timer.stage("tidy"):
             ledger.tidy()
@@ -313,10 +318,17 @@ def refit(tables: OutputTables, ledger: Ledger, row: RunRecord, cfg: KFedConfig,
     )
 
 
-def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices: set[str]) -> Forgotten:
+def forget_in_run(
+    tables: OutputTables, ledger: Ledger, row: RunRecord, devices: set[str], mlflow_run_ids: list[str]
+) -> Forgotten:
     """The run's new attempt without the devices (refit), appended and published like a run's attempt; or,
-    where nothing of it is left to cluster, its published attempt retracted."""
+    where nothing of it is left to cluster, its published attempt retracted.
+
+    First, the artifacts that the MLflow runs of the run id's attempts (mlflow_run_ids) keep under the output
+    location are deleted (a model holds every device's local centers), so that a forget stopped midway has
+    removed them already; their params and metrics, figures of all rows, stay in MLflow."""
     run_id, timer = row.run_id, StageTimer()
+    artifacts = [folder for folder in map(partial(delete_run_artifacts, tables), mlflow_run_ids) if folder]
     cfg = run_config(row, tables)
     try:
         found = refit(tables, ledger, row, cfg, devices, timer)
@@ -332,6 +344,7 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
             k=0,
             n_ids_kept=0,
             mlflow_run_id=row.mlflow_run_id,
+            mlflow_artifacts_deleted=artifacts,
             retracted=str(exc),
         )
     clustering = found.clustering
@@ -391,6 +404,7 @@ def forget_in_run(tables: OutputTables, ledger: Ledger, row: RunRecord, devices:
         len(clustering.cluster_ids),
         found.n_ids_kept,
         row.mlflow_run_id,
+        artifacts,
     )
 
 

@@ -37,6 +37,7 @@ from kfed_spark.config import MlflowTracking
 from kfed_spark.core.identity import DRIFT_COLUMNS
 from kfed_spark.errors import first_line
 from kfed_spark.spark.input import URI_PATTERN
+from kfed_spark.store.output import OutputTables
 
 log = logging.getLogger("kfed_spark")
 
@@ -159,6 +160,20 @@ class Artifacts:
             return
         filesystem, base = self.store
         pafs.copy_files(str(folder), base + artifact_uri.removeprefix(ours), destination_filesystem=filesystem)
+
+
+def delete_run_artifacts(tables: OutputTables, mlflow_run_id: str) -> str | None:
+    """Delete the artifacts an MLflow run keeps under the output location (<output>/mlflow/<its id>, where an
+    experiment that tracking created keeps them), with the tables' filesystem and without asking MLflow;
+    their folder, or None where there is none there (its experiment keeps them elsewhere)."""
+    if not mlflow_run_id.isalnum():
+        return None
+    folder = f"{tables.root}/{ARTIFACTS_FOLDER}/{mlflow_run_id}"
+    located = tables.filesystem(folder)
+    if located is None or located[0].get_file_info(located[1]).type != pafs.FileType.Directory:
+        return None
+    located[0].delete_dir(located[1])
+    return folder
 
 
 def mlflow_uri(folder: str) -> str:
