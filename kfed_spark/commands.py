@@ -183,7 +183,7 @@ def command_describe(args: argparse.Namespace) -> int:
 
     tables = output_session(args)
     run_id = args.run or newest_run_id(tables)
-    if tables.published_attempt(run_id) is None:
+    if tables.published_row(run_id) is None:
         raise tables.unpublished(run_id)
     if not tables.check_log("cluster_profiles"):
         raise KFedError(f"no cluster profiles of a published run {run_id!r} under {tables.root}")
@@ -302,10 +302,10 @@ def command_forget(args: argparse.Namespace) -> int:
         if run.mlflow_artifacts_deleted:
             print(
                 f"run {run.run_id}: the artifacts of its attempts' MLflow runs, the devices' local centers among "
-                f"them, are deleted ({', '.join(run.mlflow_artifacts_deleted)}); their params and metrics stay in "
-                "MLflow"
+                f"them, are deleted ({', '.join(run.mlflow_artifacts_deleted.values())}); their params and metrics "
+                "stay in MLflow"
             )
-        if run.mlflow_run_id and not any(f.endswith(f"/{run.mlflow_run_id}") for f in run.mlflow_artifacts_deleted):
+        if run.mlflow_run_id and run.mlflow_run_id not in run.mlflow_artifacts_deleted:
             replaced = "retracted" if run.retracted else "superseded"
             print(
                 f"run {run.run_id}: MLflow run {run.mlflow_run_id} logged the {replaced} attempt, with the devices' "

@@ -31,7 +31,7 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import partial, reduce
+from functools import reduce
 
 import numpy as np
 import pyarrow as pa
@@ -82,7 +82,7 @@ class Forgotten:
     k: int
     n_ids_kept: int  # clusters that kept the superseded attempt's id
     mlflow_run_id: str | None  # the superseded attempt's MLflow run
-    mlflow_artifacts_deleted: list[str]  # the artifacts folders of the run's attempts' MLflow runs, deleted
+    mlflow_artifacts_deleted: dict[str, str]  # MLflow run id -> its artifacts folder, deleted (the run's attempts')
     retracted: str | None = None  # why nothing of the run is left to publish, where it was retracted
 
 
@@ -328,7 +328,8 @@ def forget_in_run(
     location are deleted (a model holds every device's local centers), so that a forget stopped midway has
     removed them already; their params and metrics, figures of all rows, stay in MLflow."""
     run_id, timer = row.run_id, StageTimer()
-    artifacts = [folder for folder in map(partial(delete_run_artifacts, tables), mlflow_run_ids) if folder]
+    deleted = {mlflow_run_id: delete_run_artifacts(tables, mlflow_run_id) for mlflow_run_id in mlflow_run_ids}
+    artifacts = {mlflow_run_id: folder for mlflow_run_id, folder in deleted.items() if folder}
     cfg = run_config(row, tables)
     try:
         found = refit(tables, ledger, row, cfg, devices, timer)

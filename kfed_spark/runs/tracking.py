@@ -170,9 +170,12 @@ def delete_run_artifacts(tables: OutputTables, mlflow_run_id: str) -> str | None
         return None
     folder = f"{tables.root}/{ARTIFACTS_FOLDER}/{mlflow_run_id}"
     located = tables.filesystem(folder)
-    if located is None or located[0].get_file_info(located[1]).type != pafs.FileType.Directory:
+    if located is None:
         return None
-    located[0].delete_dir(located[1])
+    filesystem, path = located
+    if filesystem.get_file_info(path).type != pafs.FileType.Directory:
+        return None
+    filesystem.delete_dir(path)
     return folder
 
 

@@ -14,7 +14,6 @@ from pyspark.ml.util import DefaultParamsReader
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from kfed_spark.config import RUN_ID_PATTERN
 from kfed_spark.core.identity import ClusterSummary, ReferenceRun, largest_share
 from kfed_spark.core.k_sweep import KSweep
 from kfed_spark.core.labels import LabelModel
@@ -25,7 +24,7 @@ from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
 from kfed_spark.spark.input import absolute
 from kfed_spark.store.delta import concurrently
 from kfed_spark.store.output import OutputTables
-from kfed_spark.store.tables import LATEST_ATTEMPT, PUBLISHED_ATTEMPTS, RunRecord
+from kfed_spark.store.tables import LATEST_ATTEMPT, RunRecord
 
 SAVED_MODEL_ORIGIN = "model:"
 """A saved KFedModel's origin (and a run's parent_run_id when it took one) is this, then the folder."""
@@ -116,15 +115,10 @@ def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel
     """The model of a published run (by default the newest succeeded one), or a one-line error."""
     if run_id is None:
         run_id = newest_run_id(tables)
-    if not RUN_ID_PATTERN.match(run_id) or not tables.check_log("runs") or not tables.check_log("centers"):
+    published = tables.published_row(run_id) if tables.check_log("runs") and tables.check_log("centers") else None
+    if published is None:
         raise tables.unpublished(run_id)
-    published = tables.spark.sql(
-        f"SELECT attempt_id, config FROM ({PUBLISHED_ATTEMPTS.format(runs=tables.source('runs'))}) "
-        f"JOIN {tables.source('runs')} USING (run_id, attempt_id) WHERE run_id = '{run_id}'"
-    ).collect()
-    if not published:
-        raise tables.unpublished(run_id)
-    return attempt_model(tables, run_id, published[0].attempt_id, json.loads(published[0].config))
+    return attempt_model(tables, run_id, published.attempt_id, json.loads(published.config))
 
 
 def attempt_model(tables: OutputTables, run_id: str, attempt_id: str, config: dict | None = None) -> StoredModel:

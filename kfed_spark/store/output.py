@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType
 
@@ -259,13 +259,12 @@ class AttemptWrites(TableStore):
 class PublishedViews(TableStore):
     """What readers see: the published attempts' rows, as DataFrames and as SQL views."""
 
-    def published_attempt(self, run_id: str) -> str | None:
-        """The run id's published attempt here, None without one."""
+    def published_row(self, run_id: str) -> Row | None:
+        """The runs row of the run id's published attempt here, None without one."""
         if not self.exists("runs"):
             return None
-        attempts = self.spark.sql(PUBLISHED_ATTEMPTS.format(runs=self.source("runs")))
-        found = attempts.filter(F.col("run_id") == run_id).collect()
-        return found[0].attempt_id if found else None
+        found = self.published("runs").filter(F.col("run_id") == run_id).collect()
+        return found[0] if found else None
 
     def unpublished(self, run_id: str) -> KFedError:
         """The one-line error for a run id without a published attempt here, saying why where forget retracted it."""
@@ -337,10 +336,10 @@ class RunReports(PublishedViews):
 
     def read_report(self, run_id: str, name: str = "report.json") -> bytes:
         """A file of the report of a run's published attempt."""
-        attempt = self.published_attempt(run_id)
-        if attempt is None:
+        published = self.published_row(run_id)
+        if published is None:
             raise self.unpublished(run_id)
-        located = self.filesystem(f"{self.report_dir(run_id, attempt)}/{name}")
+        located = self.filesystem(f"{self.report_dir(run_id, published.attempt_id)}/{name}")
         if located is None:
             raise KFedError(f"no report of a published run {run_id!r} under {self.root}/{REPORTS}")
         filesystem, path = located
