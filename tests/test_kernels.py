@@ -12,6 +12,7 @@ from kfed_spark.core.labels import nearest_device_center, squared_norms
 from kfed_spark.core.linalg import (
     centered,
     device_rng,
+    device_uniforms,
     distinct_rows,
     kmeans_plusplus,
     lloyd,
@@ -49,6 +50,19 @@ def test_device_rng_depends_on_seed_and_device_only():
     assert not np.array_equal(draw(1, 5), draw(1, 6))
     assert not np.array_equal(draw(1, 5), draw(1, "5"))
     np.testing.assert_array_equal(draw(1, np.int64(5)), draw(1, 5))
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**32 + 5, 2**63 - 1])
+def test_device_uniforms_are_each_devices_own_generator_draws(seed):
+    """The block kernel's draws, made for all its devices at once, are bit for bit each device's own
+    device_rng draws: integer ids of every size and sign (one 32-bit entropy word or two), and text ids."""
+    rng = np.random.default_rng(3)
+    edges = [0, 1, -1, 2**32 - 1, 2**32, -(2**63), 2**63 - 1]
+    integers = np.concatenate([np.arange(-3, 40), rng.integers(-(2**63), 2**63 - 1, 300), edges]).astype(np.int64)
+    texts = np.array([f"phone-{i}" for i in range(30)] + ["", "5"], dtype=object)
+    for ids in (integers, integers[:50].astype(np.int32), texts, texts.astype(str)):
+        expected = np.stack([device_rng(seed, device).random(7) for device in ids.tolist()])
+        np.testing.assert_array_equal(device_uniforms(seed, ids, 7), expected)
 
 
 def test_local_step_recovers_planted_clusters():

@@ -28,8 +28,126 @@ DISTANCE_CHUNK_ELEMENTS = 1 << 22
 
 
 def device_rng(seed: int, device_id: object) -> np.random.Generator:
-    """A generator seeded from (run seed, device id) alone, so partitioning and retries do not matter."""
-    return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, *_device_words(device_id)])
+    """A generator seeded from (run seed, device id) alone, so partitioning and retries do not matter: PCG64
+    from a SeedSequence of [seed low, seed high, *_device_words], which device_uniforms repeats for many devices."""
+    entropy = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, *_device_words(device_id)]
+    return np.random.Generator(np.random.PCG64(entropy))
+
+
+def device_uniforms(seed: int, device_ids: np.ndarray, n: int) -> np.ndarray:
+    """(len(device_ids), n): row i holds device_rng(seed, device_ids[i]).random(n), bit for bit, computed for
+    all the devices at once. Creating one generator costs more than clustering a 10-row device, so the seeding
+    and the first draws run here as array arithmetic over the devices: the SeedSequence mixing and the PCG64
+    steps numpy runs for one generator, on 32-bit words and 128-bit numbers held in uint64 arrays."""
+    device_ids = np.asarray(device_ids)
+    if np.issubdtype(device_ids.dtype, np.integer):  # _device_words of integers: tag 0, the two's complement
+        tags, keys = np.zeros(len(device_ids), np.uint64), device_ids.astype(np.int64).view(np.uint64)
+    else:
+        tags, keys = np.asarray([_device_words(plain(device)) for device in device_ids], np.uint64).reshape(-1, 2).T
+    # The entropy numpy assembles from [seed low, seed high, tag, key]: one 32-bit word each, two for a key
+    # of 2^32 or more.
+    seed_words = [np.full(len(keys), (seed >> shift) & 0xFFFFFFFF, np.uint64) for shift in (0, 32)]
+    high = keys >> np.uint64(32)
+    pool = _seed_pool([*seed_words, tags, keys & _MASK32], extra=high, has_extra=high > 0)
+    state = _pool_state(pool)  # four 64-bit words: the initial state's high and low halves, then the stream's
+    # PCG64's seeding: state 0 and increment (stream << 1) | 1, a step, the initial state added, a step.
+    lcg = _Pcg64(np.zeros_like(state[0]), np.zeros_like(state[0]), *_shift_left_or_one(state[2], state[3]))
+    lcg.step()
+    lcg.add(state[0], state[1])
+    lcg.step()
+    out = np.empty((len(keys), n))
+    for j in range(n):  # each draw: a step, then a double from the output's top 53 bits
+        lcg.step()
+        out[:, j] = (lcg.output() >> np.uint64(11)) * 2.0**-53
+    return out
+
+
+_MASK32 = np.uint64(0xFFFFFFFF)
+_SEED_MIX_A, _SEED_MULT_A = 0x43B0D7E5, 0x931E8875  # SeedSequence's hash constants (entropy into the pool)
+_SEED_MIX_B, _SEED_MULT_B = 0x8B51F9DD, 0x58F38DED  # (the pool into state words)
+_MIX_LEFT, _MIX_RIGHT = np.uint64(0xCA01F9DD), np.uint64(0x4973F715)
+_PCG_MULT_HIGH, _PCG_MULT_LOW = np.uint64(2549297995355413924), np.uint64(4865540595714422341)
+
+
+def _hash_constants(start: int, mult: int, count: int) -> list[np.uint64]:
+    """The hash constant SeedSequence uses at each of its first `count` hashes (it is multiplied after each)."""
+    found, value = [], start
+    for _ in range(count):
+        found.append(np.uint64(value))
+        value = (value * mult) & 0xFFFFFFFF
+    return found
+
+
+def _hashed(value: np.ndarray, constant: np.uint64, mult: int) -> np.ndarray:
+    """One SeedSequence hash of 32-bit words (held in uint64): xor the constant, multiply by the next, fold."""
+    value = ((value ^ constant) * np.uint64((int(constant) * mult) & 0xFFFFFFFF)) & _MASK32
+    return value ^ (value >> np.uint64(16))
+
+
+def _mixed(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """SeedSequence's mix of two 32-bit words (held in uint64)."""
+    result = np.bitwise_and(x * _MIX_LEFT - y * _MIX_RIGHT, _MASK32)
+    return result ^ (result >> np.uint64(16))
+
+
+def _seed_pool(words: list[np.ndarray], extra: np.ndarray, has_extra: np.ndarray) -> list[np.ndarray]:
+    """SeedSequence's pool of four 32-bit words from four entropy words per device, and a fifth (extra) where
+    has_extra."""
+    constants = iter(_hash_constants(_SEED_MIX_A, _SEED_MULT_A, 4 + 12 + 4))
+    pool = [_hashed(word, next(constants), _SEED_MULT_A) for word in words]
+    for source in range(4):
+        for target in range(4):
+            if source != target:
+                pool[target] = _mixed(pool[target], _hashed(pool[source], next(constants), _SEED_MULT_A))
+    for target in range(4):
+        pool[target] = np.where(
+            has_extra, _mixed(pool[target], _hashed(extra, next(constants), _SEED_MULT_A)), pool[target]
+        )
+    return pool
+
+
+def _pool_state(pool: list[np.ndarray]) -> list[np.ndarray]:
+    """SeedSequence.generate_state(4, np.uint64) from each device's pool: eight 32-bit words, paired low first."""
+    constants = _hash_constants(_SEED_MIX_B, _SEED_MULT_B, 8)
+    halves = [_hashed(pool[i % 4], constants[i], _SEED_MULT_B) for i in range(8)]
+    return [halves[2 * i] | (halves[2 * i + 1] << np.uint64(32)) for i in range(4)]
+
+
+def _shift_left_or_one(high: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x << 1) | 1 of 128-bit numbers held as (high, low) 64-bit halves: PCG64's stream increment."""
+    return (high << np.uint64(1)) | (low >> np.uint64(63)), (low << np.uint64(1)) | np.uint64(1)
+
+
+def _high_product(a: np.ndarray, b: np.uint64) -> np.ndarray:
+    """The high 64 bits of the 128-bit products a * b, from 32-bit halves."""
+    a0, a1 = a & _MASK32, a >> np.uint64(32)
+    b0, b1 = b & _MASK32, b >> np.uint64(32)
+    low_low, low_high, high_low = a0 * b0, a0 * b1, a1 * b0
+    middle = (low_low >> np.uint64(32)) + (low_high & _MASK32) + (high_low & _MASK32)
+    return a1 * b1 + (low_high >> np.uint64(32)) + (high_low >> np.uint64(32)) + (middle >> np.uint64(32))
+
+
+class _Pcg64:
+    """PCG64 generators, one per device, as arrays of 128-bit states and increments in 64-bit halves."""
+
+    def __init__(self, high: np.ndarray, low: np.ndarray, inc_high: np.ndarray, inc_low: np.ndarray):
+        self.high, self.low, self.inc_high, self.inc_low = high, low, inc_high, inc_low
+
+    def add(self, high: np.ndarray, low: np.ndarray) -> None:
+        total = self.low + low
+        self.high = self.high + high + (total < low).astype(np.uint64)
+        self.low = total
+
+    def step(self) -> None:
+        """state = state * multiplier + increment, modulo 2^128."""
+        high = _high_product(self.low, _PCG_MULT_LOW) + self.low * _PCG_MULT_HIGH + self.high * _PCG_MULT_LOW
+        self.high, self.low = high, self.low * _PCG_MULT_LOW
+        self.add(self.inc_high, self.inc_low)
+
+    def output(self) -> np.ndarray:
+        """The XSL-RR output of each state: its halves xor-ed, rotated right by its top six bits."""
+        folded, turn = self.high ^ self.low, self.high >> np.uint64(58)
+        return (folded >> turn) | (folded << ((np.uint64(64) - turn) & np.uint64(63)))
 
 
 def noise_rng(noise_key: int, device_id: object) -> np.random.Generator:

@@ -14,6 +14,7 @@ from kfed_spark.core.linalg import (
     DUPLICATE_TOLERANCE,
     RANDOMIZED_SVD_MIN_DIM,
     device_rng,
+    device_uniforms,
     distinct_rows,
     kmeans_plusplus,
     lloyd,
@@ -235,10 +236,20 @@ def _block_local_steps(
     the result are positions in the block."""
     origin = np.einsum("bp,bpd->bd", weights, x) / weights.sum(axis=1)[:, None]
     rows = np.where(valid[:, :, None], x - origin[:, None, :], 0.0)
-    rngs = [device_rng(params.seed, plain(device)) for device in devices]
-    projected = rows @ _projections(rows, weights, min(k, x.shape[2]), rngs)  # (B, P, rank)
     trials = 2 + int(np.log(k))
-    draws = np.stack([rng.random((params.local_restarts, 1 + trials * (k - 1))) for rng in rngs])
+    per_restart = 1 + trials * (k - 1)
+    rank = min(k, x.shape[2])
+    if x.shape[2] >= RANDOMIZED_SVD_MIN_DIM:  # the randomized SVD takes each device's first draws
+        rngs = [device_rng(params.seed, plain(device)) for device in devices]
+        projections = np.stack(
+            [top_right_singular_vectors(r[w > 0], w[w > 0], rank, rng).T for r, w, rng in zip(rows, weights, rngs)]
+        )
+        draws = np.stack([rng.random((params.local_restarts, per_restart)) for rng in rngs])
+    else:
+        projections = _gram_projections(rows, weights, rank)
+        draws = device_uniforms(params.seed, devices, params.local_restarts * per_restart)
+        draws = draws.reshape(len(devices), params.local_restarts, per_restart)
+    projected = rows @ projections  # (B, P, rank)
     rough, present = _rough_centers(projected, weights, valid, k, draws)
     initial = _margin_initial_centers(rows, projected, weights, valid, rough, present)
     centers, labels, sq_dist = _lloyd(rows, weights, valid, initial, present, params.max_iter, params.tol)
@@ -249,17 +260,11 @@ def _block_local_steps(
     return DevicesCenters(owner, (centers + origin[:, None, :])[keep], mass[keep].astype(np.int64), sse[keep])
 
 
-def _projections(rows: np.ndarray, weights: np.ndarray, rank: int, rngs: list[np.random.Generator]) -> np.ndarray:
-    """(B, d, rank): each device's top right singular vectors of its weighted rows sqrt(w) * x, as columns.
-
-    Below RANDOMIZED_SVD_MIN_DIM features they are found from the eigenvectors of the smaller of the
-    two Gram matrices, (d, d) or (P, P), for the whole block at once; from RANDOMIZED_SVD_MIN_DIM on,
-    by a seeded randomized SVD per device (linalg.top_right_singular_vectors: the device's first draws)."""
+def _gram_projections(rows: np.ndarray, weights: np.ndarray, rank: int) -> np.ndarray:
+    """(B, d, rank): each device's top right singular vectors of its weighted rows sqrt(w) * x, as columns,
+    from the eigenvectors of the smaller of the two Gram matrices, (d, d) or (P, P), for the whole block at
+    once (below RANDOMIZED_SVD_MIN_DIM features; from there on a seeded randomized SVD per device does it)."""
     width, d = rows.shape[1:]
-    if d >= RANDOMIZED_SVD_MIN_DIM:
-        return np.stack(
-            [top_right_singular_vectors(r[w > 0], w[w > 0], rank, rng).T for r, w, rng in zip(rows, weights, rngs)]
-        )
     a = rows * np.sqrt(weights)[:, :, None]
     if width >= d:
         return np.linalg.eigh(np.swapaxes(a, 1, 2) @ a)[1][:, :, ::-1][:, :, :rank]  # eigenvalues ascending
