@@ -61,8 +61,8 @@ def test_device_uniforms_are_each_devices_own_generator_draws(seed):
     integers = np.concatenate([np.arange(-3, 40), rng.integers(-(2**63), 2**63 - 1, 300), edges]).astype(np.int64)
     texts = np.array([f"phone-{i}" for i in range(30)] + ["", "5"], dtype=object)
     for ids in (integers, integers[:50].astype(np.int32), texts, texts.astype(str)):
-        expected = np.stack([device_rng(seed, device).random(7) for device in ids.tolist()])
-        np.testing.assert_array_equal(device_uniforms(seed, ids, 7), expected)
+        expected = np.stack([device_rng(seed, device).random(90) for device in ids.tolist()])
+        np.testing.assert_array_equal(device_uniforms(seed, ids, 90), expected)
 
 
 def test_local_step_recovers_planted_clusters():

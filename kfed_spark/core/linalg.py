@@ -9,6 +9,7 @@ spread, and shifting or scaling the features changes no label.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Protocol
 
@@ -50,23 +51,27 @@ def device_uniforms(seed: int, device_ids: np.ndarray, n: int) -> np.ndarray:
     high = keys >> np.uint64(32)
     pool = _seed_pool([*seed_words, tags, keys & _MASK32], extra=high, has_extra=high > 0)
     state = _pool_state(pool)  # four 64-bit words: the initial state's high and low halves, then the stream's
-    # PCG64's seeding: state 0 and increment (stream << 1) | 1, a step, the initial state added, a step.
-    lcg = _Pcg64(np.zeros_like(state[0]), np.zeros_like(state[0]), *_shift_left_or_one(state[2], state[3]))
-    lcg.step()
-    lcg.add(state[0], state[1])
-    lcg.step()
-    out = np.empty((len(keys), n))
-    for j in range(n):  # each draw: a step, then a double from the output's top 53 bits
-        lcg.step()
-        out[:, j] = (lcg.output() >> np.uint64(11)) * 2.0**-53
-    return out
+    # PCG64's seeding: state 0 and increment (stream << 1) | 1, a step (the state becomes the increment), the
+    # initial state added, a step.
+    increment = ((state[2] << np.uint64(1)) | (state[3] >> np.uint64(63)), (state[3] << np.uint64(1)) | np.uint64(1))
+    seeded = _added(_times(_added(increment, (state[0], state[1])), _wide([_PCG_MULTIPLIER])), increment)
+    # Draw j (from 1) is the output of the state j steps on: seeded * M^j + increment * (1 + M + ... + M^(j-1)).
+    powers, sums = _lcg_jumps(n)
+    seeded, increment = (seeded[0][:, None], seeded[1][:, None]), (increment[0][:, None], increment[1][:, None])
+    states = _added(_times(seeded, powers), _times(increment, sums))  # (devices, n)
+    folded, turn = states[0] ^ states[1], states[0] >> np.uint64(58)  # XSL-RR: the halves xor-ed, rotated right
+    output = (folded >> turn) | (folded << ((np.uint64(64) - turn) & np.uint64(63)))
+    return (output >> np.uint64(11)) * 2.0**-53  # a double from the output's top 53 bits
 
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _SEED_MIX_A, _SEED_MULT_A = 0x43B0D7E5, 0x931E8875  # SeedSequence's hash constants (entropy into the pool)
 _SEED_MIX_B, _SEED_MULT_B = 0x8B51F9DD, 0x58F38DED  # (the pool into state words)
 _MIX_LEFT, _MIX_RIGHT = np.uint64(0xCA01F9DD), np.uint64(0x4973F715)
-_PCG_MULT_HIGH, _PCG_MULT_LOW = np.uint64(2549297995355413924), np.uint64(4865540595714422341)
+_PCG_MULTIPLIER = (2549297995355413924 << 64) + 4865540595714422341
+
+Wide = tuple[np.ndarray, np.ndarray]
+"""128-bit numbers as their (high, low) 64-bit halves, arithmetic modulo 2^128."""
 
 
 def _hash_constants(start: int, mult: int, count: int) -> list[np.uint64]:
@@ -113,41 +118,36 @@ def _pool_state(pool: list[np.ndarray]) -> list[np.ndarray]:
     return [halves[2 * i] | (halves[2 * i + 1] << np.uint64(32)) for i in range(4)]
 
 
-def _shift_left_or_one(high: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(x << 1) | 1 of 128-bit numbers held as (high, low) 64-bit halves: PCG64's stream increment."""
-    return (high << np.uint64(1)) | (low >> np.uint64(63)), (low << np.uint64(1)) | np.uint64(1)
+@functools.lru_cache(maxsize=16)
+def _lcg_jumps(n: int) -> tuple[Wide, Wide]:
+    """(M^j, 1 + M + ... + M^(j-1)) modulo 2^128 for j = 1 .. n, M PCG64's multiplier: a state j steps on is
+    state * M^j + increment * the sum."""
+    powers, sums, power, total = [], [], 1, 0
+    for _ in range(n):
+        total = (total + power) % 2**128
+        power = (power * _PCG_MULTIPLIER) % 2**128
+        powers.append(power)
+        sums.append(total)
+    return _wide(powers), _wide(sums)
 
 
-def _high_product(a: np.ndarray, b: np.uint64) -> np.ndarray:
-    """The high 64 bits of the 128-bit products a * b, from 32-bit halves."""
-    a0, a1 = a & _MASK32, a >> np.uint64(32)
-    b0, b1 = b & _MASK32, b >> np.uint64(32)
+def _wide(values: list[int]) -> Wide:
+    return np.array([v >> 64 for v in values], np.uint64), np.array([v & 0xFFFFFFFFFFFFFFFF for v in values], np.uint64)
+
+
+def _added(a: Wide, b: Wide) -> Wide:
+    low = a[1] + b[1]
+    return a[0] + b[0] + (low < b[1]).astype(np.uint64), low
+
+
+def _times(a: Wide, b: Wide) -> Wide:
+    """a * b modulo 2^128 (broadcasting): the low halves' full product, plus the cross products' low halves."""
+    a0, a1 = a[1] & _MASK32, a[1] >> np.uint64(32)
+    b0, b1 = b[1] & _MASK32, b[1] >> np.uint64(32)
     low_low, low_high, high_low = a0 * b0, a0 * b1, a1 * b0
     middle = (low_low >> np.uint64(32)) + (low_high & _MASK32) + (high_low & _MASK32)
-    return a1 * b1 + (low_high >> np.uint64(32)) + (high_low >> np.uint64(32)) + (middle >> np.uint64(32))
-
-
-class _Pcg64:
-    """PCG64 generators, one per device, as arrays of 128-bit states and increments in 64-bit halves."""
-
-    def __init__(self, high: np.ndarray, low: np.ndarray, inc_high: np.ndarray, inc_low: np.ndarray):
-        self.high, self.low, self.inc_high, self.inc_low = high, low, inc_high, inc_low
-
-    def add(self, high: np.ndarray, low: np.ndarray) -> None:
-        total = self.low + low
-        self.high = self.high + high + (total < low).astype(np.uint64)
-        self.low = total
-
-    def step(self) -> None:
-        """state = state * multiplier + increment, modulo 2^128."""
-        high = _high_product(self.low, _PCG_MULT_LOW) + self.low * _PCG_MULT_HIGH + self.high * _PCG_MULT_LOW
-        self.high, self.low = high, self.low * _PCG_MULT_LOW
-        self.add(self.inc_high, self.inc_low)
-
-    def output(self) -> np.ndarray:
-        """The XSL-RR output of each state: its halves xor-ed, rotated right by its top six bits."""
-        folded, turn = self.high ^ self.low, self.high >> np.uint64(58)
-        return (folded >> turn) | (folded << ((np.uint64(64) - turn) & np.uint64(63)))
+    carried = a1 * b1 + (low_high >> np.uint64(32)) + (high_low >> np.uint64(32)) + (middle >> np.uint64(32))
+    return carried + a[1] * b[0] + a[0] * b[1], a[1] * b[1]
 
 
 def noise_rng(noise_key: int, device_id: object) -> np.random.Generator:
