@@ -132,10 +132,12 @@ def _lcg_jumps(n: int) -> tuple[Wide, Wide]:
 
 
 def _wide(values: list[int]) -> Wide:
+    """Python integers below 2^128 as Wide."""
     return np.array([v >> 64 for v in values], np.uint64), np.array([v & 0xFFFFFFFFFFFFFFFF for v in values], np.uint64)
 
 
 def _added(a: Wide, b: Wide) -> Wide:
+    """a + b modulo 2^128 (broadcasting): the low halves' carry goes to the high half."""
     low = a[1] + b[1]
     return a[0] + b[0] + (low < b[1]).astype(np.uint64), low
 
