@@ -20,7 +20,7 @@ from kfed_spark.core.linalg import (
     squared_distances,
 )
 from kfed_spark.core.local_centers import feature_matrix
-from kfed_spark.core.local_step import device_local_step, estimate_local_k, local_steps
+from kfed_spark.core.local_step import device_local_step, estimate_local_k, estimated_ks, local_steps
 from kfed_spark.core.metrics import adjusted_rand_index, within_cluster_cost
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
 from kfed_spark.core.sampling import scale_counts
@@ -427,6 +427,23 @@ def test_local_k_estimate_counts_the_clusters_a_device_holds(clusters):
     x, _ = blobs(rng, rng.normal(0, 4, size=(clusters, 32)), 400)
     assert estimate_local_k(x, k_max=10) == clusters
     assert estimate_local_k(x, k_max=2) == min(clusters, 2)
+
+
+def test_local_k_estimates_of_many_devices_are_each_devices_own():
+    """Devices estimated together (those of equal distinct-row counts in one group) get what each gets alone,
+    in any order: small devices with duplicate rows, devices of 1 and 2 distinct rows, and large ones."""
+    rng = np.random.default_rng(11)
+    parts = []
+    for size in [10] * 40 + [3, 1, 2, 2, 300, 57, 10, 4] * 5:
+        clusters = int(rng.integers(1, 5))
+        x, _ = blobs(rng, rng.normal(0, 4, size=(clusters, 6)), size)
+        parts.append(np.repeat(x[: max(1, size // 2)], 2, axis=0)[:size] if rng.random() < 0.3 else x)
+    alone = [estimate_local_k(x, k_max=5) for x in parts]
+    assert len(set(alone)) > 2
+    for order in (np.arange(len(parts)), rng.permutation(len(parts))):
+        x = np.concatenate([parts[i] for i in order])
+        starts = np.concatenate([[0], np.cumsum([len(parts[i]) for i in order])])
+        np.testing.assert_array_equal(estimated_ks(x, starts, 5), np.array(alone)[order])
 
 
 def test_local_k_estimate_of_tiny_devices():

@@ -547,8 +547,26 @@ def device_local_step(
 
 
 def estimated_ks(x: np.ndarray, starts: np.ndarray, k_max: int) -> np.ndarray:
-    """estimate_local_k of every device's rows x[starts[i]:starts[i + 1]] (k_per_device: auto)."""
-    return np.array([estimate_local_k(x[s:e], k_max) for s, e in zip(starts[:-1], starts[1:])], dtype=np.int64)
+    """estimate_local_k of every device's rows x[starts[i]:starts[i + 1]] (k_per_device: auto), the devices
+    with the same number of distinct rows together: a few numpy calls per such group, not per device (an SVD
+    per device costs several times a small device's whole local step). Each device's matrix is the one it
+    would have alone, so its estimate does not depend on the other devices."""
+    distinct, counts, owner = distinct_rows(x, np.repeat(np.arange(len(starts) - 1), np.diff(starts)))
+    sizes = np.bincount(owner, minlength=len(starts) - 1)
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    ks = np.maximum(1, np.minimum(k_max, sizes))  # at most two distinct rows: one cluster per row
+    d = x.shape[1]
+    for n in np.unique(sizes[sizes > 2]):
+        members = np.flatnonzero(sizes == n)
+        index = first[members][:, None] + np.arange(n)
+        rows, weights = distinct[index], counts[index].astype(np.float64)[:, :, None]
+        mean = (rows * weights).sum(axis=1) / weights.sum(axis=1)  # as np.average sums, row after row
+        singular = np.linalg.svd((rows - mean[:, None, :]) * np.sqrt(weights), compute_uv=False)
+        beta = min(n, d) / max(n, d)
+        omega = 0.56 * beta**3 - 0.95 * beta**2 + 1.82 * beta + 1.43
+        signal = np.sum(singular > omega * np.median(singular, axis=1, keepdims=True), axis=1)
+        ks[members] = np.minimum(np.minimum(k_max, 1 + signal), n)
+    return ks.astype(np.int64)
 
 
 def estimate_local_k(x: np.ndarray, k_max: int) -> int:
@@ -557,16 +575,9 @@ def estimate_local_k(x: np.ndarray, k_max: int) -> int:
     k separated clusters put k - 1 directions of between-cluster spread into the centered rows;
     noise spreads evenly over the rest. A direction counts as signal when its singular value is
     above the Gavish-Donoho hard threshold for unknown noise, omega(beta) times the median
-    singular value (Gavish and Donoho 2014, beta = aspect ratio of the matrix). The estimate is
-    1 + the number of such directions, so it needs d >= k - 1 and roughly isotropic noise; on
-    data with structure in many directions (images) it stays at k_max.
+    singular value (Gavish and Donoho 2014, beta = aspect ratio of the matrix), of the device's
+    distinct rows weighted by their multiplicities. The estimate is 1 + the number of such
+    directions, so it needs d >= k - 1 and roughly isotropic noise; on data with structure in many
+    directions (images) it stays at k_max.
     """
-    distinct, counts, _ = distinct_rows(x)
-    if len(distinct) <= 2:
-        return max(1, min(k_max, len(distinct)))
-    mean = np.average(distinct, axis=0, weights=counts)
-    singular = np.linalg.svd((distinct - mean) * np.sqrt(counts)[:, None], compute_uv=False)
-    beta = min(distinct.shape) / max(distinct.shape)
-    omega = 0.56 * beta**3 - 0.95 * beta**2 + 1.82 * beta + 1.43
-    signal = int(np.sum(singular > omega * np.median(singular)))
-    return int(min(k_max, 1 + signal, len(distinct)))
+    return int(estimated_ks(x, np.array([0, len(x)]), k_max)[0])
