@@ -557,16 +557,26 @@ def estimated_ks(x: np.ndarray, starts: np.ndarray, k_max: int) -> np.ndarray:
     ks = np.maximum(1, np.minimum(k_max, sizes))  # at most two distinct rows: one cluster per row
     d = x.shape[1]
     for n in np.unique(sizes[sizes > 2]):
-        members = np.flatnonzero(sizes == n)
-        index = first[members][:, None] + np.arange(n)
-        rows, weights = distinct[index], counts[index].astype(np.float64)[:, :, None]
-        mean = (rows * weights).sum(axis=1) / weights.sum(axis=1)  # as np.average sums, row after row
-        singular = np.linalg.svd((rows - mean[:, None, :]) * np.sqrt(weights), compute_uv=False)
-        beta = min(n, d) / max(n, d)
-        omega = 0.56 * beta**3 - 0.95 * beta**2 + 1.82 * beta + 1.43
-        signal = np.sum(singular > omega * np.median(singular, axis=1, keepdims=True), axis=1)
-        ks[members] = np.minimum(np.minimum(k_max, 1 + signal), n)
+        group = np.flatnonzero(sizes == n)
+        per_block = max(1, BATCH_ELEMENTS // (n * d))
+        for start in range(0, len(group), per_block):
+            members = group[start : start + per_block]
+            index = first[members][:, None] + np.arange(n)
+            ks[members] = _signal_ks(distinct[index], counts[index], k_max)
     return ks.astype(np.int64)
+
+
+def _signal_ks(rows: np.ndarray, counts: np.ndarray, k_max: int) -> np.ndarray:
+    """estimate_local_k's estimate for devices of n distinct rows each: rows (B, n, d), counts (B, n) their
+    multiplicities."""
+    n, d = rows.shape[1:]
+    weights = counts.astype(np.float64)[:, :, None]
+    mean = (rows * weights).sum(axis=1) / weights.sum(axis=1)  # as np.average sums, row after row
+    singular = np.linalg.svd((rows - mean[:, None, :]) * np.sqrt(weights), compute_uv=False)
+    beta = min(n, d) / max(n, d)
+    omega = 0.56 * beta**3 - 0.95 * beta**2 + 1.82 * beta + 1.43
+    signal = np.sum(singular > omega * np.median(singular, axis=1, keepdims=True), axis=1)
+    return np.minimum(np.minimum(k_max, 1 + signal), n)
 
 
 def estimate_local_k(x: np.ndarray, k_max: int) -> int:
