@@ -92,7 +92,7 @@ class AttemptTracking:
 
     def __init__(self, settings: MlflowTracking, row, output_root: str):
         self.settings = settings
-        self.artifacts_folder = f"{output_root}/{ARTIFACTS_FOLDER}"
+        self.artifacts_folder = artifacts_folder(output_root)
         self.created = Bounded(settings.timeout_s, create_mlflow_run, settings, row, output_root)
 
     def columns(self) -> dict[str, str | None]:
@@ -162,13 +162,19 @@ class Artifacts:
         pafs.copy_files(str(folder), base + artifact_uri.removeprefix(ours), destination_filesystem=filesystem)
 
 
+def artifacts_folder(output_root: str) -> str:
+    """Where an experiment that tracking creates keeps its runs' artifacts: beside the tables, each run's in a
+    folder named by its MLflow run id."""
+    return f"{output_root}/{ARTIFACTS_FOLDER}"
+
+
 def delete_run_artifacts(tables: OutputTables, mlflow_run_id: str) -> str | None:
     """Delete the artifacts an MLflow run keeps under the output location (<output>/mlflow/<its id>, where an
     experiment that tracking created keeps them), with the tables' filesystem and without asking MLflow;
     their folder, or None where there is none there (its experiment keeps them elsewhere)."""
     if not mlflow_run_id.isalnum():
         return None
-    folder = f"{tables.root}/{ARTIFACTS_FOLDER}/{mlflow_run_id}"
+    folder = f"{artifacts_folder(tables.root)}/{mlflow_run_id}"
     located = tables.filesystem(folder)
     if located is None:
         return None
@@ -209,7 +215,7 @@ def create_mlflow_run(settings: MlflowTracking, row, output_root: str) -> str:
     client = client_of(settings)
     experiment = client.get_experiment_by_name(settings.experiment)
     if experiment is None:
-        location = mlflow_uri(f"{output_root}/{ARTIFACTS_FOLDER}")
+        location = mlflow_uri(artifacts_folder(output_root))
         experiment_id = client.create_experiment(settings.experiment, artifact_location=location)
     else:
         experiment_id = experiment.experiment_id
