@@ -563,7 +563,7 @@ def estimated_ks(x: np.ndarray, starts: np.ndarray, k_max: int) -> np.ndarray:
             members = group[start : start + per_block]
             index = first[members][:, None] + np.arange(n)
             ks[members] = _signal_ks(distinct[index], counts[index], k_max)
-    return ks.astype(np.int64)
+    return ks
 
 
 def _signal_ks(rows: np.ndarray, counts: np.ndarray, k_max: int) -> np.ndarray:
