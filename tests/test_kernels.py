@@ -11,12 +11,15 @@ from kfed_spark.core import server_step as server_step_module
 from kfed_spark.core.labels import nearest_device_center, squared_norms
 from kfed_spark.core.linalg import (
     centered,
+    device_normals,
     device_rng,
     device_uniforms,
     distinct_rows,
     kmeans_plusplus,
     lloyd,
     nearest_center,
+    noise_normals,
+    noise_rng,
     squared_distances,
 )
 from kfed_spark.core.local_centers import feature_matrix
@@ -54,8 +57,10 @@ def test_device_rng_depends_on_seed_and_device_only():
 
 @pytest.mark.parametrize("seed", [0, 7, 2**32 + 5, 2**63 - 1])
 def test_device_uniforms_are_each_devices_own_generator_draws(seed):
-    """The block kernel's draws, made for all its devices at once, are bit for bit each device's own
-    device_rng draws: integer ids of every size and sign (one 32-bit entropy word or two), and text ids."""
+    """The block kernels' draws, made for all their devices at once, are bit for bit each device's own
+    device_rng draws (uniform and normal), and its noise_rng draws under a noise key: integer ids of every size
+    and sign (one 32-bit entropy word or two), and text ids."""
+    noise_key = (seed * 0x9E3779B97F4A7C15 + 3) % 2**128
     rng = np.random.default_rng(3)
     edges = [0, 1, -1, 2**32 - 1, 2**32, -(2**63), 2**63 - 1]
     integers = np.concatenate([np.arange(-3, 40), rng.integers(-(2**63), 2**63 - 1, 300), edges]).astype(np.int64)
@@ -63,6 +68,10 @@ def test_device_uniforms_are_each_devices_own_generator_draws(seed):
     for ids in (integers, integers[:50].astype(np.int32), texts, texts.astype(str)):
         expected = np.stack([device_rng(seed, device).random(90) for device in ids.tolist()])
         np.testing.assert_array_equal(device_uniforms(seed, ids, 90), expected)
+        expected = np.stack([device_rng(seed, device).standard_normal(70) for device in ids.tolist()])
+        np.testing.assert_array_equal(device_normals(seed, ids, 70), expected)
+        expected = np.stack([noise_rng(noise_key, device).standard_normal(70) for device in ids.tolist()])
+        np.testing.assert_array_equal(noise_normals(noise_key, ids, 70), expected)
 
 
 def test_local_step_recovers_planted_clusters():

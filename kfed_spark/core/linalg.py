@@ -40,21 +40,7 @@ def device_uniforms(seed: int, device_ids: np.ndarray, n: int) -> np.ndarray:
     all the devices at once. Creating one generator costs more than clustering a 10-row device, so the seeding
     and the first draws run here as array arithmetic over the devices: the SeedSequence mixing and the PCG64
     steps numpy runs for one generator, on 32-bit words and 128-bit numbers held in uint64 arrays."""
-    device_ids = np.asarray(device_ids)
-    if np.issubdtype(device_ids.dtype, np.integer):  # _device_words of integers: tag 0, the two's complement
-        tags, keys = np.zeros(len(device_ids), np.uint64), device_ids.astype(np.int64).view(np.uint64)
-    else:
-        tags, keys = np.asarray([_device_words(plain(device)) for device in device_ids], np.uint64).reshape(-1, 2).T
-    # The entropy numpy assembles from [seed low, seed high, tag, key]: one 32-bit word each, two for a key
-    # of 2^32 or more.
-    seed_words = [np.full(len(keys), (seed >> shift) & 0xFFFFFFFF, np.uint64) for shift in (0, 32)]
-    high = keys >> np.uint64(32)
-    pool = _seed_pool([*seed_words, tags, keys & _MASK32], extra=high, has_extra=high > 0)
-    state = _pool_state(pool)  # four 64-bit words: the initial state's high and low halves, then the stream's
-    # PCG64's seeding: state 0 and increment (stream << 1) | 1, a step (the state becomes the increment), the
-    # initial state added, a step.
-    increment = ((state[2] << np.uint64(1)) | (state[3] >> np.uint64(63)), (state[3] << np.uint64(1)) | np.uint64(1))
-    seeded = _added(_times(_added(increment, (state[0], state[1])), _wide([_PCG_MULTIPLIER])), increment)
+    seeded, increment = _device_rng_states(seed, device_ids)
     # Draw j (from 1) is the output of the state j steps on: seeded * M^j + increment * (1 + M + ... + M^(j-1)).
     powers, sums = _lcg_jumps(n)
     seeded, increment = (seeded[0][:, None], seeded[1][:, None]), (increment[0][:, None], increment[1][:, None])
@@ -62,6 +48,65 @@ def device_uniforms(seed: int, device_ids: np.ndarray, n: int) -> np.ndarray:
     folded, turn = states[0] ^ states[1], states[0] >> np.uint64(58)  # XSL-RR: the halves xor-ed, rotated right
     output = (folded >> turn) | (folded << ((np.uint64(64) - turn) & np.uint64(63)))
     return (output >> np.uint64(11)) * 2.0**-53  # a double from the output's top 53 bits
+
+
+def device_normals(seed: int, device_ids: np.ndarray, n: int) -> np.ndarray:
+    """(len(device_ids), n): row i holds device_rng(seed, device_ids[i]).standard_normal(n), bit for bit: the
+    generators' states computed for all the devices at once (device_uniforms), the draws by numpy from each."""
+    return _normals(_device_rng_states(seed, device_ids), n)
+
+
+def noise_normals(noise_key: int, device_ids: np.ndarray, n: int) -> np.ndarray:
+    """(len(device_ids), n): row i holds noise_rng(noise_key, device_ids[i]).standard_normal(n), bit for bit
+    (device_normals)."""
+    tags, keys = _device_keys(device_ids)
+    key_words = [np.full(len(keys), (noise_key >> shift) & 0xFFFFFFFF, np.uint64) for shift in range(0, 128, 32)]
+    return _normals(_seeded_pcg64(key_words, [tags, keys & _MASK32], keys >> np.uint64(32)), n)
+
+
+def _device_rng_states(seed: int, device_ids: np.ndarray) -> tuple[Wide, Wide]:
+    """The (state, increment) of device_rng(seed, id) for every id, as numpy seeds it."""
+    tags, keys = _device_keys(device_ids)
+    seed_words = [np.full(len(keys), (seed >> shift) & 0xFFFFFFFF, np.uint64) for shift in (0, 32)]
+    return _seeded_pcg64([*seed_words, tags], [keys & _MASK32], keys >> np.uint64(32))
+
+
+def _device_keys(device_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """_device_words of every id, as uint64 arrays (tags, keys)."""
+    device_ids = np.asarray(device_ids)
+    if np.issubdtype(device_ids.dtype, np.integer):  # tag 0, the two's complement
+        return np.zeros(len(device_ids), np.uint64), device_ids.astype(np.int64).view(np.uint64)
+    words = np.asarray([_device_words(plain(device)) for device in device_ids], np.uint64).reshape(-1, 2)
+    return words[:, 0], words[:, 1]
+
+
+def _seeded_pcg64(first: list[np.ndarray], more: list[np.ndarray], last: np.ndarray) -> tuple[Wide, Wide]:
+    """The (state, increment) of PCG64 seeded from the SeedSequence of each device's entropy: the 32-bit words
+    first (four) and more, then last where it is not zero (numpy takes a key of 2^32 or more as two words)."""
+    state = _pool_state(_seed_pool([*first, *more], last, last > 0))  # the initial state's halves, the stream's
+    # PCG64's seeding: state 0 and increment (stream << 1) | 1, a step (the state becomes the increment), the
+    # initial state added, a step.
+    increment = ((state[2] << np.uint64(1)) | (state[3] >> np.uint64(63)), (state[3] << np.uint64(1)) | np.uint64(1))
+    seeded = _added(_times(_added(increment, (state[0], state[1])), _wide([_PCG_MULTIPLIER])), increment)
+    return seeded, increment
+
+
+def _normals(states: tuple[Wide, Wide], n: int) -> np.ndarray:
+    """(devices, n) standard normal draws, row i from a PCG64 generator in the i-th of states (numpy's sampler:
+    setting a state costs a tenth of seeding a generator)."""
+    bit_generator = np.random.PCG64()
+    generator = np.random.Generator(bit_generator)
+    out = np.empty((len(states[0][0]), n))
+    halves = zip(*(half.tolist() for pair in states for half in pair))  # each device's state and increment halves
+    for row, (state_high, state_low, inc_high, inc_low) in zip(out, halves):
+        bit_generator.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": (state_high << 64) | state_low, "inc": (inc_high << 64) | inc_low},
+            "has_uint32": 0,
+            "uinteger": 0,
+        }
+        generator.standard_normal(out=row)
+    return out
 
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -96,14 +141,17 @@ def _mixed(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _seed_pool(words: list[np.ndarray], extra: np.ndarray, has_extra: np.ndarray) -> list[np.ndarray]:
-    """SeedSequence's pool of four 32-bit words from four entropy words per device, and a fifth (extra) where
-    has_extra."""
-    constants = iter(_hash_constants(_SEED_MIX_A, _SEED_MULT_A, 4 + 12 + 4))
-    pool = [_hashed(word, next(constants), _SEED_MULT_A) for word in words]
+    """SeedSequence's pool of four 32-bit words from at least four entropy words per device, and one more
+    (extra) where has_extra."""
+    constants = iter(_hash_constants(_SEED_MIX_A, _SEED_MULT_A, 4 + 12 + 4 * (len(words) - 4 + 1)))
+    pool = [_hashed(word, next(constants), _SEED_MULT_A) for word in words[:4]]
     for source in range(4):
         for target in range(4):
             if source != target:
                 pool[target] = _mixed(pool[target], _hashed(pool[source], next(constants), _SEED_MULT_A))
+    for word in words[4:]:
+        for target in range(4):
+            pool[target] = _mixed(pool[target], _hashed(word, next(constants), _SEED_MULT_A))
     for target in range(4):
         pool[target] = np.where(
             has_extra, _mixed(pool[target], _hashed(extra, next(constants), _SEED_MULT_A)), pool[target]
