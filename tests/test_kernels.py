@@ -1,5 +1,7 @@
 """The numeric core, without Spark."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from sklearn.metrics import adjusted_rand_score
@@ -229,31 +231,34 @@ def test_rough_clusterings_of_rows_that_run_out_of_distinct_points_fall_back_to_
     np.testing.assert_array_equal(np.sort(rough[0][present[0]], axis=0), [[0.0, 0.0], [5.0, 5.0]])
 
 
-def test_a_device_finds_the_same_local_centers_alone_and_among_others(monkeypatch):
+@pytest.mark.parametrize("private", [False, True])
+def test_a_device_finds_the_same_local_centers_alone_and_among_others(monkeypatch, private):
     """A device's result does not depend on which devices share its block or its pass over the rows: the
     same draws, the same padding, the same floating-point operations; and it is what the kernel finds one
-    device at a time."""
+    device at a time. So for the private local step, whose noise comes from the noise key and the device."""
     table = close_means_mixture(0, devices=40, rows=(5, 300))
     x = feature_matrix(table.column("features"))
     devices = table.column("device_id").to_numpy()
     params = AlgorithmParams(k=49, k_per_device=7)
+    if private:
+        params = dataclasses.replace(params, privacy_epsilon=3.0, privacy_bounds=(float(x.min()), float(x.max())))
     starts = np.append(np.flatnonzero(np.diff(devices, prepend=-1)), len(devices))
     keys = devices[starts[:-1]]
-    together = local_steps(x, starts, keys, np.full(len(keys), 7), params)
+    together = local_steps(x, starts, keys, np.full(len(keys), 7), params, noise_key=11)
     for i, key in enumerate(keys):
-        alone = device_local_step(x[starts[i] : starts[i + 1]], 7, key, params)
+        alone = device_local_step(x[starts[i] : starts[i + 1]], 7, key, params, noise_key=11)
         mine = together.of_device(i)
         np.testing.assert_array_equal(mine.centers, alone.centers)
         np.testing.assert_array_equal(mine.counts, alone.counts)
         np.testing.assert_array_equal(mine.sse, alone.sse)
     monkeypatch.setattr(local_step_module, "ROWS_PER_PASS", 1000)  # passes of a few devices each
-    in_passes = local_steps(x, starts, keys, np.full(len(keys), 7), params)
+    in_passes = local_steps(x, starts, keys, np.full(len(keys), 7), params, noise_key=11)
     for name in ("owner", "centers", "counts", "sse"):
         np.testing.assert_array_equal(getattr(in_passes, name), getattr(together, name))
     monkeypatch.undo()
     uneven = np.full(len(keys), 7)
     uneven[::3] = 3  # devices of other k in the same call: other blocks, the same results
-    mixed = local_steps(x, starts, keys, uneven, params)
+    mixed = local_steps(x, starts, keys, uneven, params, noise_key=11)
     for i in range(1, len(keys), 3):
         np.testing.assert_array_equal(mixed.of_device(i).centers, together.of_device(i).centers)
 

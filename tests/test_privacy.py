@@ -1,4 +1,4 @@
-"""Differential privacy of what a device shares (kfed_spark.core.privacy, local_step.private_local_step)."""
+"""Differential privacy of what a device shares (kfed_spark.core.privacy, local_step._private_local_steps)."""
 
 import dataclasses
 import math
@@ -8,11 +8,12 @@ import pytest
 from scipy import integrate, stats
 
 from helpers import MIXTURE, N_ROWS, labels_of, published, report_folder, run_cli, runs_of
-from kfed_spark.bench.synthetic import mixture
+from kfed_spark.bench.synthetic import close_means_mixture, mixture
 from kfed_spark.cli import main
 from kfed_spark.config import load_config
+from kfed_spark.core.linalg import device_rng, nearest_center, noise_rng
 from kfed_spark.core.local_centers import feature_matrix
-from kfed_spark.core.local_step import noisy_cluster_sums, private_local_step
+from kfed_spark.core.local_step import SPLIT_STEP, device_local_step, local_steps, noisy_cluster_sums
 from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.core.privacy import NoiseScales, gdp_mu
 from kfed_spark.core.reference import federated_kmeans, local_clusterings
@@ -42,9 +43,10 @@ def test_the_noise_has_the_stated_scale_and_spends_the_budget_exactly(epsilon, d
     labels = rng.integers(0, 4, len(rows))
     exact_sums = np.stack([rows[labels == j].sum(axis=0) for j in range(4)])
     exact_counts = np.bincount(labels, minlength=4)
-    released = [noisy_cluster_sums(rows, labels, 4, scales, np.random.default_rng(seed)) for seed in range(1000)]
-    sum_noise = np.stack([sums for sums, _ in released]) - exact_sums
-    count_noise = np.stack([counts for _, counts in released]) - exact_counts
+    draws = np.random.default_rng(1).standard_normal((1000, 4 * (dim + 1)))  # a block of 1000 releases
+    copies = lambda a: np.repeat(a[None], len(draws), axis=0)  # noqa: E731
+    sums, counts = noisy_cluster_sums(copies(rows), np.ones((len(draws), len(rows))), copies(labels), scales, draws)
+    sum_noise, count_noise = sums - exact_sums, counts - exact_counts
     for noise, sigma in ((sum_noise, scales.sum_sigma), (count_noise, scales.count_sigma)):
         assert abs(noise.mean()) < 4 * sigma / math.sqrt(noise.size)
         assert noise.std() == pytest.approx(sigma, rel=4 / math.sqrt(noise.size))
@@ -62,10 +64,7 @@ def test_a_row_outside_the_box_counts_as_its_clipped_self_and_the_noise_is_not_t
     params = AlgorithmParams(k=4, k_per_device=3, privacy_epsilon=2.0, privacy_bounds=(-4.0, 4.0))
     far, clipped = x.copy(), x.copy()
     far[0], clipped[0] = [1e9, -1e9, 0.5], [4.0, -4.0, 0.5]
-    runs = [
-        private_local_step(rows, 3, np.random.default_rng(5), np.random.default_rng(6), params)
-        for rows in (far, clipped)
-    ]
+    runs = [device_local_step(rows, 3, 5, params, noise_key=6) for rows in (far, clipped)]
     assert np.array_equal(runs[0].centers, runs[1].centers) and np.array_equal(runs[0].counts, runs[1].counts)
     assert np.all(np.abs(runs[0].centers) <= 4.0) and np.isnan(runs[0].sse).all()
     devices = np.repeat(np.arange(4), 30)
@@ -73,6 +72,49 @@ def test_a_row_outside_the_box_counts_as_its_clipped_self_and_the_noise_is_not_t
     assert np.array_equal(*same_key)  # the noise is drawn from the key and the device
     fresh_keys = [local_clusterings(x, devices, params).centers for _ in range(2)]
     assert not np.array_equal(*fresh_keys)  # the same seed, a fresh secret key: other noise
+
+
+def sequential_private_step(x, k, device, noise_key, params):
+    """The private local step as the privacy page states it, one device and one round at a time, from the
+    device's own generators: what the block kernel is held to."""
+    rng, noise = device_rng(params.seed, device), noise_rng(noise_key, device)
+    (low, high), d = params.privacy_bounds, x.shape[1]
+    middle, half = (low + high) / 2, (high - low) / 2
+    rows = np.clip(x, low, high) - middle
+    scales = NoiseScales.of(params.privacy_epsilon, params.privacy_delta, params.privacy_rounds, (low, high), d)
+    centers, counts = np.zeros((1, d)), np.zeros(1)
+    for round_ in range(params.privacy_rounds):
+        wanted = k if round_ == params.privacy_rounds - 1 else min(k, 2**round_)
+        parents = np.argsort(-counts, kind="stable")[np.arange(wanted - len(centers)) % len(centers)]
+        directions = rng.standard_normal((len(parents), d))
+        directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+        centers = np.concatenate([centers, centers[parents] + SPLIT_STEP * half * directions])
+        labels = nearest_center(rows, centers)[0]
+        sums = np.stack([rows[labels == j].sum(axis=0) for j in range(wanted)])
+        sums += noise.normal(0.0, scales.sum_sigma, (wanted, d))
+        counts = np.bincount(labels, minlength=wanted) + noise.normal(0.0, scales.count_sigma, wanted)
+        moved = counts >= 1
+        centers[moved] = np.clip(sums[moved] / counts[moved, None], -half, half)
+    return centers + middle, np.where(moved, np.rint(counts), 0)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("rounds", [1, 3, 5])
+def test_the_private_step_of_many_devices_is_each_device_s_sequential_mechanism(rounds):
+    """Devices of 5 to 300 rows, clustered as blocks, share what the mechanism run one device at a time with
+    its own seeded generators shares: the same noise, the same split directions, the same counts, the same
+    centers up to the rounding of summing the rows another way."""
+    table = close_means_mixture(0, devices=30, rows=(5, 300))
+    x, devices = feature_matrix(table.column("features")), table.column("device_id").to_numpy()
+    bounds = (float(x.min()) + 1.0, float(x.max()) - 1.0)  # some rows are clipped
+    params = AlgorithmParams(k=49, k_per_device=7, privacy_epsilon=2.0, privacy_bounds=bounds, privacy_rounds=rounds)
+    starts = np.append(np.flatnonzero(np.diff(devices, prepend=-1)), len(devices))
+    keys = devices[starts[:-1]]
+    found = local_steps(x, starts, keys, np.full(len(keys), 7), params, noise_key=2**100 + 9)
+    for i, key in enumerate(keys):
+        centers, counts = sequential_private_step(x[starts[i] : starts[i + 1]], 7, key, 2**100 + 9, params)
+        np.testing.assert_array_equal(found.of_device(i).counts, counts)
+        np.testing.assert_allclose(found.of_device(i).centers, centers, rtol=0, atol=1e-9 * (bounds[1] - bounds[0]))
 
 
 @pytest.mark.fast

@@ -5,6 +5,7 @@ local step that takes its place under a privacy budget: numpy, no Spark.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,16 +14,15 @@ from kfed_spark.core.linalg import (
     COST_TIE,
     DUPLICATE_TOLERANCE,
     RANDOMIZED_SVD_MIN_DIM,
+    device_normals,
     device_rng,
     device_uniforms,
     distinct_rows,
     kmeans_plusplus,
     lloyd,
-    nearest_with_norms,
-    noise_rng,
+    noise_normals,
     plain,
     top_right_singular_vectors,
-    weighted_sums,
 )
 from kfed_spark.core.privacy import NoiseScales
 from kfed_spark.core.sampling import scale_counts
@@ -63,13 +63,6 @@ class DevicesCenters:
         """The centers of the device at this position."""
         mine = self.owner == position
         return DeviceCenters(self.centers[mine], self.counts[mine], self.sse[mine])
-
-    @classmethod
-    def of_each(cls, found: list[DeviceCenters]) -> "DevicesCenters":
-        """Devices' centers found one at a time, the i-th device's at position i."""
-        dim = found[0].centers.shape[1] if found else 0
-        parts = [cls(np.full(len(f.counts), i), f.centers, f.counts, f.sse) for i, f in enumerate(found)]
-        return cls.joined(parts, dim)
 
     def ids(self) -> np.ndarray:
         """Each center's id within its device: 0, 1, ... in order."""
@@ -121,8 +114,8 @@ def local_steps(
 ) -> DevicesCenters:
     """Alg. 1 on every device, with params' local_restarts, max_iter, tol and seed: x (n, d) holds the
     rows grouped by device, device i's being x[starts[i]:starts[i + 1]]; devices[i] is its id and
-    ks[i] the most local centers it may have. With privacy_epsilon set, the private local step takes
-    its place on each device in turn, its noise from noise_key (linalg.noise_rng).
+    ks[i] the most local centers it may have. With privacy_epsilon set, the private local step
+    (_private_local_steps) takes its place, its noise from noise_key (linalg.noise_rng).
 
     The devices are clustered together, as arrays with a device axis: numpy calls per block of
     devices, not per device (on a hundred thousand devices of ten rows the calls, not the arithmetic,
@@ -137,15 +130,6 @@ def local_steps(
     rows would give a subspace that depends on where the origin is).
     """
     ks = np.asarray(ks, dtype=np.int64)
-    if params.privacy_epsilon is not None:
-        if noise_key is None:
-            raise ValueError("a private local step needs the run's noise key")
-        return DevicesCenters.of_each(
-            [
-                private_local_step(x[s:e], int(k), device_rng(params.seed, d), noise_rng(noise_key, d), params)
-                for d, k, s, e in zip(map(plain, devices), ks, starts[:-1], starts[1:])
-            ]
-        )
     if starts[-1] > ROWS_PER_PASS:
         cuts = np.unique(np.searchsorted(starts, np.arange(0, starts[-1], ROWS_PER_PASS), side="right") - 1)
         cuts = np.append(cuts, len(devices))
@@ -157,10 +141,11 @@ def local_steps(
                 devices[first:last],
                 ks[first:last],
                 params,
+                noise_key,
             )
             parts.append(dataclasses.replace(found, owner=found.owner + first))
         return DevicesCenters.joined(parts, x.shape[1])
-    return _devices_local_steps(x, starts, devices, ks, params)
+    return _devices_local_steps(x, starts, devices, ks, params, noise_key)
 
 
 ROWS_PER_PASS = 1 << 17
@@ -169,37 +154,55 @@ its sorts and copies then stay near the cache, instead of paging through the who
 
 
 def _devices_local_steps(
-    x: np.ndarray, starts: np.ndarray, devices: np.ndarray, ks: np.ndarray, params: AlgorithmParams
+    x: np.ndarray,
+    starts: np.ndarray,
+    devices: np.ndarray,
+    ks: np.ndarray,
+    params: AlgorithmParams,
+    noise_key: int | None,
 ) -> DevicesCenters:
-    """local_steps without privacy on devices of at most about ROWS_PER_PASS rows in all."""
+    """local_steps on devices of at most about ROWS_PER_PASS rows in all."""
+    if params.privacy_epsilon is not None:
+        if noise_key is None:
+            raise ValueError("a private local step needs the run's noise key")
+        return _private_local_steps(x, starts, devices, ks, params, noise_key)
     distinct, counts, owner = distinct_rows(x, np.repeat(np.arange(len(devices)), np.diff(starts)))
     sizes = np.bincount(owner, minlength=len(devices))
     first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     few = sizes[owner] <= ks[owner]
     parts = [DevicesCenters(owner[few], distinct[few], counts[few].astype(np.int64), np.zeros(np.count_nonzero(few)))]
-    many = np.flatnonzero(sizes > ks)
-    widths = padded_rows(sizes[many])
-    order = np.lexsort((widths, ks[many]))
-    many, widths = many[order], widths[order]
-    bucket_starts = np.flatnonzero(
-        np.concatenate([[True], (widths[1:] != widths[:-1]) | (ks[many][1:] != ks[many][:-1])])
-    )[: len(many)]  # no bucket without devices
     d = x.shape[1]
-    for bucket, bucket_end in zip(bucket_starts, np.append(bucket_starts[1:], len(many))):
-        k, width = int(ks[many[bucket]]), int(widths[bucket])
-        # The largest arrays of a block: its rows (B, P, d), and per restart a row's distance to each
-        # center (B, restarts, k, P) or to each seeding candidate (2 + log k of them, fewer than k + 4).
-        per_block = max(1, BATCH_ELEMENTS // (width * max(d, (k + 4) * params.local_restarts)))
-        for start in range(bucket, bucket_end, per_block):
-            members = many[start : min(start + per_block, bucket_end)]
-            slots = np.arange(width)
-            valid = slots[None, :] < sizes[members][:, None]
-            index = np.where(valid, first[members][:, None] + slots[None, :], 0)
-            rows = np.where(valid[:, :, None], distinct[index], 0.0)
-            weights = np.where(valid, counts[index], 0).astype(np.float64)
-            found = _block_local_steps(rows, weights, valid, devices[members], k, params)
-            parts.append(dataclasses.replace(found, owner=members[found.owner]))
+    # The largest arrays of a block: its rows (B, P, d), and per restart a row's distance to each center
+    # (B, restarts, k, P) or to each seeding candidate (2 + log k of them, fewer than k + 4).
+    row_values = lambda k: max(d, (k + 4) * params.local_restarts)  # noqa: E731
+    for members, k, width in _blocks(np.flatnonzero(sizes > ks), sizes, ks, row_values):
+        slots = np.arange(width)
+        valid = slots[None, :] < sizes[members][:, None]
+        index = np.where(valid, first[members][:, None] + slots[None, :], 0)
+        rows = np.where(valid[:, :, None], distinct[index], 0.0)
+        weights = np.where(valid, counts[index], 0).astype(np.float64)
+        found = _block_local_steps(rows, weights, valid, devices[members], k, params)
+        parts.append(dataclasses.replace(found, owner=members[found.owner]))
     return DevicesCenters.joined(parts, d)
+
+
+def _blocks(
+    positions: np.ndarray, sizes: np.ndarray, ks: np.ndarray, row_values: Callable[[int], int]
+) -> Iterator[tuple[np.ndarray, int, int]]:
+    """The devices at positions (of sizes[i] rows, at most ks[i] centers) in blocks of one k and one padded row
+    count P (padded_rows), each as (its devices' positions, k, P): as many devices as keep the block's largest
+    array, of row_values(k) values per padded row, within BATCH_ELEMENTS."""
+    widths = padded_rows(sizes[positions])
+    order = np.lexsort((widths, ks[positions]))
+    positions, widths = positions[order], widths[order]
+    bucket_starts = np.flatnonzero(
+        np.concatenate([[True], (widths[1:] != widths[:-1]) | (ks[positions][1:] != ks[positions][:-1])])
+    )[: len(positions)]  # no bucket without devices
+    for bucket, bucket_end in zip(bucket_starts, np.append(bucket_starts[1:], len(positions))):
+        k, width = int(ks[positions[bucket]]), int(widths[bucket])
+        per_block = max(1, BATCH_ELEMENTS // (width * row_values(k)))
+        for start in range(bucket, bucket_end, per_block):
+            yield positions[start : min(start + per_block, bucket_end)], k, width
 
 
 BATCH_ELEMENTS = 1 << 19
@@ -480,62 +483,111 @@ def _lloyd(
     return centers, labels, sq_dist
 
 
-def private_local_step(
-    x: np.ndarray, k: int, rng: np.random.Generator, noise: np.random.Generator, params: AlgorithmParams
-) -> DeviceCenters:
-    """The local step in alg. 1's place when privacy_epsilon is set: what it shares is
-    (privacy_epsilon, privacy_delta)-differentially private per row (kfed_spark.core.privacy).
+def _private_local_steps(
+    x: np.ndarray, starts: np.ndarray, devices: np.ndarray, ks: np.ndarray, params: AlgorithmParams, noise_key: int
+) -> DevicesCenters:
+    """The local step in alg. 1's place when privacy_epsilon is set, on devices of at most about ROWS_PER_PASS
+    rows: what each device shares is (privacy_epsilon, privacy_delta)-differentially private per row
+    (kfed_spark.core.privacy).
 
     Rows are clipped into the box of privacy_bounds. privacy_rounds noisy Lloyd rounds follow, each
     moving every center to its cluster's noisy sum over its noisy count, clipped into the box; a
     center whose noisy count is under 1 stays where it was and shares a count of 0. The centers
     start as one, at the box's center, and double before each round (split along random directions
-    from rng, the run seed's; the heaviest split first) until there are k, all k by the last round:
-    bisecting, so that no starting center is placed by looking at the rows. The counts shared are
-    the last round's, rounded; the SSE is not shared (NaN).
+    from device_rng, the run seed's; the heaviest split first) until there are k, all k by the last
+    round: bisecting, so that no starting center is placed by looking at the rows. The counts shared
+    are the last round's, rounded; the SSE is not shared (NaN).
+
+    How many centers each round has depends on k alone, and so do how many directions and noise values a
+    device draws: each device draws them all from its own generators first, and devices of one k and one
+    padded row count (padded_rows) then run their rounds together as arrays.
     """
+    sizes, d = np.diff(starts), x.shape[1]
+    parts = []
+    # The largest arrays of a block: its rows (B, P, d), and a row's distance to each center (B, k, P).
+    for members, k, width in _blocks(np.arange(len(devices)), sizes, ks, lambda k: max(d, k)):
+        valid = np.arange(width)[None, :] < sizes[members][:, None]
+        index = np.where(valid, starts[members][:, None] + np.arange(width)[None, :], 0)
+        rounds = _private_round_centers(k, params.privacy_rounds)
+        directions, normals = _private_draws(params.seed, noise_key, devices[members], rounds, d)
+        rows = np.where(valid[:, :, None], x[index], 0.0)
+        found = _private_block_steps(rows, valid, k, directions, normals, params)
+        parts.append(dataclasses.replace(found, owner=members[found.owner]))
+    return DevicesCenters.joined(parts, d)
+
+
+def _private_round_centers(k: int, rounds: int) -> list[int]:
+    """How many centers each round of the private local step has: doubling from one, k in the last."""
+    return [k if round_ == rounds - 1 else min(k, 2**round_) for round_ in range(rounds)]
+
+
+def _private_draws(
+    seed: int, noise_key: int, devices: np.ndarray, rounds: list[int], d: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each device's standard normal draws for the private local step, rows in the devices' order: the split
+    directions (B, (k - 1) d) from device_rng(seed, device), and each round's noise, its centers' sums (m, d)
+    then counts (m,), one round after the other (B, sum of m (d + 1)) from noise_rng(noise_key, device)."""
+    return device_normals(seed, devices, (rounds[-1] - 1) * d), noise_normals(noise_key, devices, sum(rounds) * (d + 1))
+
+
+def _private_block_steps(
+    x: np.ndarray, valid: np.ndarray, k: int, directions: np.ndarray, normals: np.ndarray, params: AlgorithmParams
+) -> DevicesCenters:
+    """The private local step (_private_local_steps) on a block of B devices padded to one row count P: x
+    (B, P, d) with zero rows where valid (B, P) is False, each device's draws (_private_draws) in the rows of
+    directions and normals. The owners of the result are positions in the block."""
     if params.privacy_epsilon is None or params.privacy_bounds is None:
         raise ValueError("the private local step needs privacy_epsilon and privacy_bounds")
     low, high = params.privacy_bounds
     middle, half = (low + high) / 2, (high - low) / 2
-    rows = np.clip(x, low, high) - middle
-    norms = np.einsum("ij,ij->i", rows, rows)
-    scales = NoiseScales.of(
-        params.privacy_epsilon, params.privacy_delta, params.privacy_rounds, (low, high), x.shape[1]
-    )
-    centers, counts = np.zeros((1, x.shape[1])), np.zeros(1)
-    for round_ in range(params.privacy_rounds):
-        wanted = k if round_ == params.privacy_rounds - 1 else min(k, 2**round_)
-        centers = _split(centers, counts, wanted, half, rng)
-        labels, _ = nearest_with_norms(rows, norms, centers)
-        sums, counts = noisy_cluster_sums(rows, labels, len(centers), scales, noise)
+    n_devices, _, d = x.shape
+    rows = np.where(valid[:, :, None], np.clip(x, low, high) - middle, 0.0)
+    norms = np.einsum("bpd,bpd->bp", rows, rows)
+    weights = valid.astype(np.float64)
+    scales = NoiseScales.of(params.privacy_epsilon, params.privacy_delta, params.privacy_rounds, (low, high), d)
+    centers, counts = np.zeros((n_devices, 1, d)), np.zeros((n_devices, 1))
+    split_at, noise_at = 0, 0  # where the round's draws start
+    for wanted in _private_round_centers(k, params.privacy_rounds):
+        new = wanted - centers.shape[1]
+        centers = _split(centers, counts, directions[:, split_at : split_at + new * d].reshape(n_devices, new, d), half)
+        labels, _ = _nearest(rows, norms, centers, np.ones(centers.shape[:2], dtype=bool), valid)
+        round_normals = normals[:, noise_at : noise_at + wanted * (d + 1)]
+        sums, counts = noisy_cluster_sums(rows, weights, labels, scales, round_normals)
+        split_at, noise_at = split_at + new * d, noise_at + wanted * (d + 1)
         moved = counts >= 1
-        centers[moved] = np.clip(sums[moved] / counts[moved, None], -half, half)
+        means = np.clip(sums / np.where(moved, counts, 1.0)[:, :, None], -half, half)
+        centers = np.where(moved[:, :, None], means, centers)
     shared_counts = np.where(moved, np.rint(counts), 0).astype(np.int64)
-    return DeviceCenters(centers + middle, shared_counts, np.full(len(centers), np.nan))
+    owner = np.repeat(np.arange(n_devices), centers.shape[1])
+    return DevicesCenters(owner, (centers + middle).reshape(-1, d), shared_counts.ravel(), np.full(len(owner), np.nan))
 
 
 def noisy_cluster_sums(
-    rows: np.ndarray, labels: np.ndarray, k: int, scales: NoiseScales, noise: np.random.Generator
+    rows: np.ndarray, weights: np.ndarray, labels: np.ndarray, scales: NoiseScales, normals: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One round's release of the private local step: the (k, d) sums and (k,) counts of the rows by label,
-    each with its Gaussian noise (scales: kfed_spark.core.privacy). rows are clipped into the box and taken about
-    its center, so one row moves a sum by at most scales.radius."""
-    sums, counts = weighted_sums(rows, np.ones(len(rows)), labels, k)
-    return sums + noise.normal(0.0, scales.sum_sigma, sums.shape), counts + noise.normal(0.0, scales.count_sigma, k)
+    """One round's release of the private local step on a block of devices: the (B, m, d) sums and (B, m) counts
+    of the rows (B, P, d) by label (B, P), weights (B, P) one for a row and zero for padding, each with its
+    Gaussian noise (scales: kfed_spark.core.privacy) from standard normal draws (B, m (d + 1)): the sums' first,
+    then the counts'. rows are clipped into the box and taken about its center, so one row moves a sum by at
+    most scales.radius."""
+    n_devices, _, d = rows.shape
+    m = normals.shape[1] // (d + 1)
+    by_label = _by_label(labels, weights, m)
+    sums = by_label @ rows + scales.sum_sigma * normals[:, : m * d].reshape(n_devices, m, d)
+    return sums, by_label.sum(axis=2) + scales.count_sigma * normals[:, m * d :]
 
 
-def _split(centers: np.ndarray, counts: np.ndarray, wanted: int, half: float, rng: np.random.Generator) -> np.ndarray:
-    """centers plus copies of the heaviest ones (by counts, in turn), each moved a hair along a random
-    direction, until there are `wanted`: the next assignment cuts each split cluster by a random
-    hyperplane through its center."""
-    if len(centers) >= wanted:
+def _split(centers: np.ndarray, counts: np.ndarray, directions: np.ndarray, half: float) -> np.ndarray:
+    """centers (B, m, d) plus, for each of directions (B, new, d), a copy of the heaviest centers (by counts, in
+    turn) moved a hair along that direction: the next assignment cuts each split cluster by a random hyperplane
+    through its center."""
+    if not directions.shape[1]:
         return centers
-    order = np.argsort(-counts, kind="stable")
-    parents = order[np.arange(wanted - len(centers)) % len(centers)]
-    directions = rng.standard_normal((len(parents), centers.shape[1]))
-    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    return np.concatenate([centers, centers[parents] + SPLIT_STEP * half * directions])
+    order = np.argsort(-counts, axis=1, kind="stable")
+    parents = order[:, np.arange(directions.shape[1]) % centers.shape[1]]
+    unit = directions / np.linalg.norm(directions, axis=2, keepdims=True)
+    moved = np.take_along_axis(centers, parents[:, :, None], axis=1) + SPLIT_STEP * half * unit
+    return np.concatenate([centers, moved], axis=1)
 
 
 def device_local_step(

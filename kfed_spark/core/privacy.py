@@ -3,7 +3,7 @@ adds, calibrated to the guarantee.
 
 The guarantee is per row: for every device, the local centers and counts it shares are
 (epsilon, delta)-differentially private with respect to adding or removing one of its rows, and so
-is everything computed from them alone. The private local step (local_step.private_local_step) clips
+is everything computed from them alone. The private local step (local_step._private_local_steps) clips
 every row into the box [lo, hi]^d of privacy_bounds, starts from one center at the box's center that
 it splits without looking at the rows, and runs privacy_rounds Lloyd rounds; each round releases every
 local cluster's sum of rows (taken about the box's center) and count, with Gaussian noise of standard
