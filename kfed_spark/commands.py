@@ -212,7 +212,7 @@ def command_history(args: argparse.Namespace) -> int:
     """The location's last published runs, oldest first, with their drift figures; their cluster sizes as a figure."""
     import json
 
-    from kfed_spark.runs.history import history_rows, history_text, published_runs, published_sizes
+    from kfed_spark.runs.history import cluster_sizes, history_rows, history_text, published_runs
     from kfed_spark.runs.report import sizes_over_runs_figure
 
     tables = output_session(args)
@@ -220,8 +220,8 @@ def command_history(args: argparse.Namespace) -> int:
         raise KFedError(f"no kfed-spark runs under {tables.root}")
     rows = history_rows(published_runs(tables, args.last))
     if args.figure:
-        run_ids = [row["run_id"] for row in rows]
-        Path(args.figure).write_bytes(sizes_over_runs_figure(published_sizes(tables, run_ids), run_ids))
+        attempts = [(row["run_id"], row["attempt_id"]) for row in rows]
+        Path(args.figure).write_bytes(sizes_over_runs_figure(cluster_sizes(tables, attempts), [r for r, _ in attempts]))
     print(json.dumps({"runs": rows}, indent=2) if args.json else history_text(rows))
     return 0
 

@@ -13,6 +13,7 @@ from helpers import MIXTURE, published, report_folder, run_cli, runs_of
 from kfed_spark.bench.datasets import write_parquet_folder
 from kfed_spark.bench.synthetic import mixture, two_days
 from kfed_spark.cli import main
+from kfed_spark.config import OutputConfig
 from kfed_spark.core.identity import ClusterSummary, match_clusters, matching_by_ids
 from kfed_spark.core.labels import assigned_with_margin
 from kfed_spark.core.linalg import nearest_center
@@ -21,6 +22,8 @@ from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.core.reference import local_clusterings
 from kfed_spark.core.server_step import server_step
 from kfed_spark.params import AlgorithmParams
+from kfed_spark.runs.attempt import past_sizes
+from kfed_spark.store.output import OutputTables
 
 K = 20
 
@@ -231,6 +234,15 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     [again] = [r for r in runs_of(spark, out) if r.run_id == "day-1-again"]
     assert (again.cluster_mix_psi, again.share_in_new_clusters, again.share_in_retired_clusters) == (0.0, 0.0, 0.0)
     assert again.share_of_devices_moved == 0.0 and again.largest_relative_shift < 1e-6  # the same centers, to rounding
+
+    # A next run's report draws the sizes of the published attempts before it: day-2's re-run, not its first.
+    sizes, run_ids = past_sizes(OutputTables(spark, OutputConfig(path=str(out))), "day-3")
+    assert run_ids == ["day-1", "day-2", "other", "day-1-again"]
+    expected = published(spark, out, "centers").select("run_id", "cluster_id", "n_points").toPandas()
+    pd.testing.assert_frame_equal(
+        sizes.sort_values(["run_id", "cluster_id"]).reset_index(drop=True),
+        expected.sort_values(["run_id", "cluster_id"]).reset_index(drop=True),
+    )
 
     # The location over time: history prints every published run with its drift, and draws the sizes by id.
     capsys.readouterr()

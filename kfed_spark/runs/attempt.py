@@ -29,7 +29,7 @@ from kfed_spark.core.server_step import GlobalClusters
 from kfed_spark.errors import KFedError
 from kfed_spark.runs import report
 from kfed_spark.runs.describe import cluster_summaries
-from kfed_spark.runs.history import REPORTED_RUNS, published_runs, published_sizes
+from kfed_spark.runs.history import cluster_sizes, reported_attempts
 from kfed_spark.runtime import fault_injection
 from kfed_spark.spark.columns import labelled_fields
 from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, feature_names
@@ -38,7 +38,7 @@ from kfed_spark.spark.labelling import label_rows
 from kfed_spark.spark.session import in_background
 from kfed_spark.spark.workers import EVALUATION_COL, SQ_DIST_COL
 from kfed_spark.store.delta import rows_frame
-from kfed_spark.store.ledger import Attempt
+from kfed_spark.store.ledger import Attempt, Ledger
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import (
     CENTERS_COLUMNS,
@@ -378,12 +378,10 @@ def write_run_report(
 
 
 def past_sizes(tables: OutputTables, run_id: str) -> tuple[pd.DataFrame, list[str]]:
-    """The cluster sizes (run_id, cluster_id, n_points) of the newest published runs of other run ids than
-    run_id (REPORTED_RUNS - 1 of them), and their run ids oldest first: the report's sizes figure before the
-    run's own."""
-    before = published_runs(tables, REPORTED_RUNS)
-    run_ids = [other for other in reversed(before.run_id.tolist()) if other != run_id][-(REPORTED_RUNS - 1) :]
-    return published_sizes(tables, run_ids), run_ids
+    """The cluster sizes (run_id, cluster_id, n_points) of the published runs the run's report draws before its
+    own (history.reported_attempts), and their run ids oldest first."""
+    before = reported_attempts(Ledger(tables).rows(), run_id)
+    return cluster_sizes(tables, [(row.run_id, row.attempt_id) for row in before]), [row.run_id for row in before]
 
 
 def run_report(

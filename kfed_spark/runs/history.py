@@ -15,6 +15,7 @@ from kfed_spark.runs.describe import json_value
 
 HISTORY_COLUMNS = (
     "run_id",
+    "attempt_id",
     "finished_at",
     "n_labelled",
     "n_devices",
@@ -39,12 +40,26 @@ def published_runs(tables, last: int) -> pd.DataFrame:
     return runs.orderBy(F.col("finished_at").desc(), F.col("run_id").desc()).limit(last).toPandas()
 
 
-def published_sizes(tables, run_ids: list[str]) -> pd.DataFrame:
-    """The published clusters' sizes (run_id, cluster_id, n_points) of these runs."""
-    from pyspark.sql import functions as F
+def cluster_sizes(tables, attempts: list[tuple[str, str]]) -> pd.DataFrame:
+    """The cluster sizes (run_id, cluster_id, n_points) of these attempts (run id, attempt id), read from their
+    partitions of centers alone: a plan without the runs table's published-attempt join, which a run's report
+    would otherwise pay for in seconds."""
+    from kfed_spark.store.delta import attempt_filter
 
-    centers = tables.published("centers").filter(F.col("run_id").isin(run_ids))
-    return centers.select("run_id", "cluster_id", "n_points").toPandas()
+    if not attempts:
+        return pd.DataFrame({"run_id": [], "cluster_id": [], "n_points": []})
+    where = " OR ".join(f"({attempt_filter(run_id, attempt_id)})" for run_id, attempt_id in attempts)
+    return tables.read("centers").filter(where).select("run_id", "cluster_id", "n_points").toPandas()
+
+
+def reported_attempts(rows: list, run_id: str) -> list:
+    """Of the location's runs rows, the published attempts whose cluster sizes a run's report draws before its
+    own: those of the newest REPORTED_RUNS - 1 other run ids, oldest first."""
+    from kfed_spark.store.ledger import published_attempts
+
+    published = published_attempts(rows)
+    chosen = [row for row in rows if row.run_id != run_id and published.get(row.run_id) == row.attempt_id]
+    return sorted(chosen, key=lambda row: (row.finished_at, row.run_id))[-(REPORTED_RUNS - 1) :]
 
 
 def history_rows(runs: pd.DataFrame) -> list[dict]:
