@@ -59,31 +59,26 @@ def device_normals(seed: int, device_ids: np.ndarray, n: int) -> np.ndarray:
 def noise_normals(noise_key: int, device_ids: np.ndarray, n: int) -> np.ndarray:
     """(len(device_ids), n): row i holds noise_rng(noise_key, device_ids[i]).standard_normal(n), bit for bit
     (device_normals)."""
-    tags, keys = _device_keys(device_ids)
-    key_words = [np.full(len(keys), (noise_key >> shift) & 0xFFFFFFFF, np.uint64) for shift in range(0, 128, 32)]
-    return _normals(_seeded_pcg64(key_words, [tags, keys & _MASK32], keys >> np.uint64(32)), n)
+    key_words = [(noise_key >> shift) & 0xFFFFFFFF for shift in range(0, 128, 32)]
+    return _normals(_seeded_pcg64(key_words, device_ids), n)
 
 
 def _device_rng_states(seed: int, device_ids: np.ndarray) -> tuple[Wide, Wide]:
-    """The (state, increment) of device_rng(seed, id) for every id, as numpy seeds it."""
-    tags, keys = _device_keys(device_ids)
-    seed_words = [np.full(len(keys), (seed >> shift) & 0xFFFFFFFF, np.uint64) for shift in (0, 32)]
-    return _seeded_pcg64([*seed_words, tags], [keys & _MASK32], keys >> np.uint64(32))
+    """The (state, increment) of device_rng(seed, id) for every id."""
+    return _seeded_pcg64([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], device_ids)
 
 
-def _device_keys(device_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """_device_words of every id, as uint64 arrays (tags, keys)."""
+def _seeded_pcg64(leading: list[int], device_ids: np.ndarray) -> tuple[Wide, Wide]:
+    """The (state, increment) of PCG64(SeedSequence([*leading, *_device_words(id)])) for every id, as numpy seeds
+    it: leading holds at least two 32-bit words, and numpy takes a key of 2^32 or more as two words."""
     device_ids = np.asarray(device_ids)
-    if np.issubdtype(device_ids.dtype, np.integer):  # tag 0, the two's complement
-        return np.zeros(len(device_ids), np.uint64), device_ids.astype(np.int64).view(np.uint64)
-    words = np.asarray([_device_words(plain(device)) for device in device_ids], np.uint64).reshape(-1, 2)
-    return words[:, 0], words[:, 1]
-
-
-def _seeded_pcg64(first: list[np.ndarray], more: list[np.ndarray], last: np.ndarray) -> tuple[Wide, Wide]:
-    """The (state, increment) of PCG64 seeded from the SeedSequence of each device's entropy: the 32-bit words
-    first (four) and more, then last where it is not zero (numpy takes a key of 2^32 or more as two words)."""
-    state = _pool_state(_seed_pool([*first, *more], last, last > 0))  # the initial state's halves, the stream's
+    if np.issubdtype(device_ids.dtype, np.integer):  # _device_words of integers: tag 0, the two's complement
+        tags, keys = np.zeros(len(device_ids), np.uint64), device_ids.astype(np.int64).view(np.uint64)
+    else:
+        tags, keys = np.asarray([_device_words(plain(device)) for device in device_ids], np.uint64).reshape(-1, 2).T
+    words = [np.full(len(keys), word, np.uint64) for word in leading]
+    high = keys >> np.uint64(32)
+    state = _pool_state(_seed_pool([*words, tags, keys & _MASK32], high, high > 0))  # initial state, stream
     # PCG64's seeding: state 0 and increment (stream << 1) | 1, a step (the state becomes the increment), the
     # initial state added, a step.
     increment = ((state[2] << np.uint64(1)) | (state[3] >> np.uint64(63)), (state[3] << np.uint64(1)) | np.uint64(1))
@@ -94,7 +89,7 @@ def _seeded_pcg64(first: list[np.ndarray], more: list[np.ndarray], last: np.ndar
 def _normals(states: tuple[Wide, Wide], n: int) -> np.ndarray:
     """(devices, n) standard normal draws, row i from a PCG64 generator in the i-th of states (numpy's sampler:
     setting a state costs a tenth of seeding a generator)."""
-    bit_generator = np.random.PCG64()
+    bit_generator = np.random.PCG64(0)  # its state is set for each device
     generator = np.random.Generator(bit_generator)
     out = np.empty((len(states[0][0]), n))
     halves = zip(*(half.tolist() for pair in states for half in pair))  # each device's state and increment halves
