@@ -23,6 +23,7 @@ from kfed_spark.core.reference import local_clusterings
 from kfed_spark.core.server_step import server_step
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.runs.attempt import past_sizes
+from kfed_spark.store.models import stored_model
 from kfed_spark.store.output import OutputTables
 
 K = 20
@@ -235,8 +236,14 @@ def test_a_second_day_keeps_the_ids_and_records_what_changed(spark, tmp_path, ca
     assert (again.cluster_mix_psi, again.share_in_new_clusters, again.share_in_retired_clusters) == (0.0, 0.0, 0.0)
     assert again.share_of_devices_moved == 0.0 and again.largest_relative_shift < 1e-6  # the same centers, to rounding
 
-    # A next run's report draws the sizes of the published attempts before it: day-2's re-run, not its first.
-    sizes, run_ids = past_sizes(OutputTables(spark, OutputConfig(path=str(out))), "day-3")
+    # A next run's report draws the sizes of the published attempts before it: day-2's re-run, not its first;
+    # `assign` takes the models the published views show (the newest run's by default).
+    tables = OutputTables(spark, OutputConfig(path=str(out)))
+    sizes, run_ids = past_sizes(tables, "day-3")
+    views = {row.run_id: row.attempt_id for row in published(spark, out, "runs").collect()}
+    assert (stored_model(tables).origin, stored_model(tables).attempt_id) == ("day-1-again", views["day-1-again"])
+    first_day_2 = [row.attempt_id for row in runs_of(spark, out) if row.run_id == "day-2"][0]
+    assert stored_model(tables, "day-2").attempt_id == views["day-2"] != first_day_2
     assert run_ids == ["day-1", "day-2", "other", "day-1-again"]
     expected = published(spark, out, "centers").select("run_id", "cluster_id", "n_points").toPandas()
     pd.testing.assert_frame_equal(

@@ -62,7 +62,7 @@ from kfed_spark.runtime.failures import describe
 from kfed_spark.spark.columns import ADDED_COLUMNS
 from kfed_spark.spark.fitting import REASON_COL, Clustering, StageTimer, choose_k, merged_on_driver, validated
 from kfed_spark.store.delta import attempt_filter, concurrently
-from kfed_spark.store.ledger import Ledger, new_attempt_id, published_attempts
+from kfed_spark.store.ledger import Ledger, new_attempt_id, published_attempts, published_rows
 from kfed_spark.store.models import SAVED_MODEL_ORIGIN, StoredModel, attempt_model, finished_model, reference_run
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import RunRecord, output_schemas, stats_columns
@@ -99,7 +99,7 @@ def forget(tables: OutputTables, devices: list[str], run_id: str | None = None) 
     known = ledger.rows_if_any()
     published = published_attempts(known)
     rows = sorted(
-        (r for r in known if published.get(r.run_id) == r.attempt_id and run_id in (None, r.run_id)),
+        (r for r in published_rows(known) if run_id in (None, r.run_id)),
         key=lambda r: (r.finished_at, r.run_id),
     )
     if run_id is not None and not rows:

@@ -55,10 +55,9 @@ def cluster_sizes(tables, attempts: list[tuple[str, str]]) -> pd.DataFrame:
 def reported_attempts(rows: list, run_id: str) -> list:
     """Of the location's runs rows, the published attempts whose cluster sizes a run's report draws before its
     own: those of the newest REPORTED_RUNS - 1 other run ids, oldest first."""
-    from kfed_spark.store.ledger import published_attempts
+    from kfed_spark.store.ledger import published_rows
 
-    published = published_attempts(rows)
-    chosen = [row for row in rows if row.run_id != run_id and published.get(row.run_id) == row.attempt_id]
+    chosen = [row for row in published_rows(rows) if row.run_id != run_id]
     return sorted(chosen, key=lambda row: (row.finished_at, row.run_id))[-(REPORTED_RUNS - 1) :]
 
 

@@ -319,15 +319,25 @@ def reference_attempt(
     """The runs row of the published attempt whose clusters a new attempt of run_id matches (identity):
     the named run id's, or else the newest published run of another run id that finished before
     started_at (None if there is none). A named run id that is not published is a ConfigError."""
-    published = published_attempts(rows)
-    chosen = [r for r in rows if published.get(r.run_id) == r.attempt_id]
+    chosen = published_rows(rows)
     if named is not None:
         found = [r for r in chosen if r.run_id == named]
         if not found:
             raise ConfigError(f"identity.reference {named!r} is not a published run of this output location")
         return found[0]
-    earlier = [r for r in chosen if r.run_id != run_id and _utc(r.finished_at) < started_at]
-    return max(earlier, key=lambda r: (_utc(r.finished_at), r.run_id), default=None)
+    return newest([r for r in chosen if r.run_id != run_id and _utc(r.finished_at) < started_at])
+
+
+def published_rows(rows: list[RunRecord]) -> list[RunRecord]:
+    """The runs rows of the published attempts (published_attempts), one per run id: what readers' views show
+    of runs, found without a query."""
+    published = published_attempts(rows)
+    return [r for r in rows if published.get(r.run_id) == r.attempt_id]
+
+
+def newest(rows: list[RunRecord]) -> RunRecord | None:
+    """The row that finished last, the greater run id on a tie (tables.LATEST_ATTEMPT's order); None for none."""
+    return max(rows, key=lambda r: (_utc(r.finished_at), r.run_id), default=None)
 
 
 def highest_cluster_id(rows: list[RunRecord], run_id: str) -> int:

@@ -24,7 +24,7 @@ from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
 from kfed_spark.spark.input import absolute
 from kfed_spark.store.delta import concurrently
 from kfed_spark.store.output import OutputTables
-from kfed_spark.store.tables import LATEST_ATTEMPT, RunRecord
+from kfed_spark.store.tables import RunRecord
 
 SAVED_MODEL_ORIGIN = "model:"
 """A saved KFedModel's origin (and a run's parent_run_id when it took one) is this, then the folder."""
@@ -101,24 +101,29 @@ class StoredModel:
 
 def newest_run_id(tables: OutputTables) -> str:
     """The run id of the newest succeeded run under the location, or a one-line error."""
-    rows = (
-        tables.spark.sql(LATEST_ATTEMPT.format(runs=tables.source("runs"))).collect()
-        if tables.check_log("runs")
-        else []
-    )
-    if not rows:
-        raise KFedError(f"no succeeded run under {tables.root} to take a model from")
-    return rows[0].run_id
+    return _published_row(tables, None).run_id
 
 
 def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel:
     """The model of a published run (by default the newest succeeded one), or a one-line error."""
-    if run_id is None:
-        run_id = newest_run_id(tables)
-    published = tables.published_row(run_id) if tables.check_log("runs") and tables.check_log("centers") else None
-    if published is None:
+    row = _published_row(tables, run_id)
+    return attempt_model(tables, row.run_id, row.attempt_id, json.loads(row.config))
+
+
+def _published_row(tables: OutputTables, run_id: str | None) -> RunRecord:
+    """The runs row of the run id's published attempt (by default the newest succeeded run's), or a one-line
+    error. Which attempt is published is found from the runs rows as read (ledger.published_rows): a query of
+    the published view aggregates over runs, a plan that costs seconds in a fresh JVM, before the run's checks
+    of its input can start."""
+    from kfed_spark.store.ledger import Ledger, newest, published_rows  # the job's layer: not the estimator's import
+
+    found = published_rows(Ledger(tables).rows_if_any()) if tables.check_log("centers") else []
+    row = newest(found) if run_id is None else next((r for r in found if r.run_id == run_id), None)
+    if row is None:
+        if run_id is None:
+            raise KFedError(f"no succeeded run under {tables.root} to take a model from")
         raise tables.unpublished(run_id)
-    return attempt_model(tables, run_id, published.attempt_id, json.loads(published.config))
+    return row
 
 
 def attempt_model(tables: OutputTables, run_id: str, attempt_id: str, config: dict | None = None) -> StoredModel:
