@@ -8,10 +8,15 @@ new to the run that retired it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pandas as pd
 
 from kfed_spark.core.identity import DRIFT_COLUMNS
 from kfed_spark.runs.describe import json_value
+
+if TYPE_CHECKING:
+    from kfed_spark.store.tables import RunRecord
 
 HISTORY_COLUMNS = (
     "run_id",
@@ -52,7 +57,7 @@ def cluster_sizes(tables, attempts: list[tuple[str, str]]) -> pd.DataFrame:
     return tables.read("centers").filter(where).select("run_id", "cluster_id", "n_points").toPandas()
 
 
-def reported_attempts(rows: list, run_id: str) -> list:
+def reported_attempts(rows: list[RunRecord], run_id: str) -> list[RunRecord]:
     """Of the location's runs rows, the published attempts whose cluster sizes a run's report draws before its
     own: those of the newest REPORTED_RUNS - 1 other run ids, oldest first."""
     from kfed_spark.store.ledger import published_rows

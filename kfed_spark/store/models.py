@@ -113,9 +113,9 @@ def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel
 def _published_row(tables: OutputTables, run_id: str | None) -> RunRecord:
     """The runs row of the run id's published attempt (by default the newest succeeded run's), or a one-line
     error. Which attempt is published is found from the runs rows as read (ledger.published_rows): a query of
-    the published view aggregates over runs, a plan that costs seconds in a fresh JVM, before the run's checks
-    of its input can start."""
-    from kfed_spark.store.ledger import Ledger, newest, published_rows  # the job's layer: not the estimator's import
+    the published view aggregates over runs, a plan that costs seconds in a fresh JVM (and assign takes its
+    model before its input's checks can start)."""
+    from kfed_spark.store.ledger import Ledger, newest, published_rows  # here: the estimator imports this module
 
     found = published_rows(Ledger(tables).rows_if_any()) if tables.check_log("centers") else []
     row = newest(found) if run_id is None else next((r for r in found if r.run_id == run_id), None)
