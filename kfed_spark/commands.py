@@ -179,23 +179,26 @@ def command_describe(args: argparse.Namespace) -> int:
         cluster_summaries,
         cluster_table,
     )
-    from kfed_spark.store.models import newest_run_id
+    from kfed_spark.store.delta import attempt_filter, concurrently
+    from kfed_spark.store.models import published_run
 
     tables = output_session(args)
-    run_id = args.run or newest_run_id(tables)
-    if tables.published_row(run_id) is None:
-        raise tables.unpublished(run_id)
+    run = published_run(tables, args.run)
+    run_id = run.run_id
     if not tables.check_log("cluster_profiles"):
         raise KFedError(f"no cluster profiles of a published run {run_id!r} under {tables.root}")
-    of_run = f"run_id = '{run_id}'"
-    profile = tables.published("cluster_profiles").filter(of_run).toPandas()
+    of_attempt = attempt_filter(run_id, run.attempt_id)
+    columns = {"cluster_profiles": ["*"], "centers": ["cluster_id", "n_devices"]}
+    found = concurrently(
+        lambda name: tables.read(name).filter(of_attempt).select(*columns[name]).toPandas(), list(columns)
+    )
+    profile, centers = found["cluster_profiles"], found["centers"]
     if profile.empty:
         raise KFedError(
             f"no cluster profiles of a published run {run_id!r} under {tables.root} (a run with profiles: false, "
             "or of an older version, has none)"
         )
-    centers = tables.published("centers").filter(of_run).select("cluster_id", "n_devices").collect()
-    summaries = cluster_summaries(profile, {row.cluster_id: row.n_devices for row in centers})
+    summaries = cluster_summaries(profile, dict(zip(centers.cluster_id.tolist(), centers.n_devices.tolist())))
     if args.cluster is not None:
         summaries = [chosen_cluster(summaries, args.cluster)]
     if args.json:

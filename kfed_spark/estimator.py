@@ -17,7 +17,6 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
 from kfed_spark.config import FitSettings, InputConfig, OutputConfig, validate_columns
@@ -30,7 +29,7 @@ from kfed_spark.params import AlgorithmParams, camel
 from kfed_spark.spark.fitting import REASON_COL, fit
 from kfed_spark.spark.labelling import labelled_plan, profiled_rows
 from kfed_spark.spark.workers import SQ_DIST_COL
-from kfed_spark.store.delta import rows_frame
+from kfed_spark.store.delta import attempt_filter, rows_frame
 from kfed_spark.store.models import (
     SAVED_LOCAL_CENTERS,
     SAVED_MODEL_ORIGIN,
@@ -185,8 +184,8 @@ class KFedModel(Model, _KFedParams, MLReadable["KFedModel"], MLWritable):
         stored = stored_model(tables, run_id)
         model = cls()._with_state(stored)
         model._profiles = lambda: (
-            tables.published("cluster_profiles")
-            .filter(F.col("run_id") == stored.origin)
+            tables.read("cluster_profiles")
+            .filter(attempt_filter(stored.origin, stored.attempt_id))
             .drop("run_id", "attempt_id")
             .orderBy("cluster_id", "rank")
         )

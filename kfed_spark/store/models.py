@@ -99,22 +99,17 @@ class StoredModel:
         return local.label_model(self.assignment, self.centers, label_mode, label_unseen, self.cluster_ids)
 
 
-def newest_run_id(tables: OutputTables) -> str:
-    """The run id of the newest succeeded run under the location, or a one-line error."""
-    return _published_row(tables, None).run_id
-
-
 def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel:
     """The model of a published run (by default the newest succeeded one), or a one-line error."""
-    row = _published_row(tables, run_id)
+    row = published_run(tables, run_id)
     return attempt_model(tables, row.run_id, row.attempt_id, json.loads(row.config))
 
 
-def _published_row(tables: OutputTables, run_id: str | None) -> RunRecord:
+def published_run(tables: OutputTables, run_id: str | None = None) -> RunRecord:
     """The runs row of the run id's published attempt (by default the newest succeeded run's), or a one-line
-    error. Which attempt is published is found from the runs rows as read (ledger.published_rows): a query of
-    the published view aggregates over runs, a plan that costs seconds in a fresh JVM (and assign takes its
-    model before its input's checks can start)."""
+    error. Which attempt is published is found from the runs rows as read (ledger.published_rows), and its rows
+    are then read from its own partitions: a query of the published views aggregates over runs, a plan that
+    costs seconds in a fresh JVM."""
     from kfed_spark.store.ledger import Ledger, newest, published_rows  # here: the estimator imports this module
 
     found = published_rows(Ledger(tables).rows_if_any()) if tables.check_log("centers") else []
