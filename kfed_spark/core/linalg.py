@@ -31,8 +31,7 @@ DISTANCE_CHUNK_ELEMENTS = 1 << 22
 def device_rng(seed: int, device_id: object) -> np.random.Generator:
     """A generator seeded from (run seed, device id) alone, so partitioning and retries do not matter: PCG64
     from a SeedSequence of [seed low, seed high, *_device_words], which device_uniforms repeats for many devices."""
-    entropy = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, *_device_words(device_id)]
-    return np.random.Generator(np.random.PCG64(entropy))
+    return np.random.Generator(np.random.PCG64([*_seed_words(seed), *_device_words(device_id)]))
 
 
 def device_uniforms(seed: int, device_ids: np.ndarray, n: int) -> np.ndarray:
@@ -59,13 +58,12 @@ def device_normals(seed: int, device_ids: np.ndarray, n: int) -> np.ndarray:
 def noise_normals(noise_key: int, device_ids: np.ndarray, n: int) -> np.ndarray:
     """(len(device_ids), n): row i holds noise_rng(noise_key, device_ids[i]).standard_normal(n), bit for bit
     (device_normals)."""
-    key_words = [(noise_key >> shift) & 0xFFFFFFFF for shift in range(0, 128, 32)]
-    return _normals(_seeded_pcg64(key_words, device_ids), n)
+    return _normals(_seeded_pcg64(_key_words(noise_key), device_ids), n)
 
 
 def _device_rng_states(seed: int, device_ids: np.ndarray) -> tuple[Wide, Wide]:
     """The (state, increment) of device_rng(seed, id) for every id."""
-    return _seeded_pcg64([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], device_ids)
+    return _seeded_pcg64(_seed_words(seed), device_ids)
 
 
 def _seeded_pcg64(leading: list[int], device_ids: np.ndarray) -> tuple[Wide, Wide]:
@@ -200,8 +198,17 @@ def noise_rng(noise_key: int, device_id: object) -> np.random.Generator:
 
     The one draw not seeded from the run seed: the seed is published in the runs table, and noise
     anyone can draw again is noise anyone can subtract."""
-    key_words = [(noise_key >> shift) & 0xFFFFFFFF for shift in range(0, 128, 32)]
-    return np.random.default_rng([*key_words, *_device_words(device_id)])
+    return np.random.default_rng([*_key_words(noise_key), *_device_words(device_id)])
+
+
+def _seed_words(seed: int) -> list[int]:
+    """The run seed's entropy words ahead of a device's (device_rng, device_uniforms, device_normals)."""
+    return [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF]
+
+
+def _key_words(noise_key: int) -> list[int]:
+    """The 128-bit noise key's entropy words ahead of a device's (noise_rng, noise_normals)."""
+    return [(noise_key >> shift) & 0xFFFFFFFF for shift in range(0, 128, 32)]
 
 
 def _device_words(device_id: object) -> tuple[int, int]:

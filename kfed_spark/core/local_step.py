@@ -176,10 +176,7 @@ def _devices_local_steps(
     # (B, restarts, k, P) or to each seeding candidate (2 + log k of them, fewer than k + 4).
     row_values = lambda k: max(d, (k + 4) * params.local_restarts)  # noqa: E731
     for members, k, width in _blocks(np.flatnonzero(sizes > ks), sizes, ks, row_values):
-        slots = np.arange(width)
-        valid = slots[None, :] < sizes[members][:, None]
-        index = np.where(valid, first[members][:, None] + slots[None, :], 0)
-        rows = np.where(valid[:, :, None], distinct[index], 0.0)
+        rows, valid, index = _padded(distinct, first[members], sizes[members], width)
         weights = np.where(valid, counts[index], 0).astype(np.float64)
         found = _block_local_steps(rows, weights, valid, devices[members], k, params)
         parts.append(dataclasses.replace(found, owner=members[found.owner]))
@@ -203,6 +200,17 @@ def _blocks(
         per_block = max(1, BATCH_ELEMENTS // (width * row_values(k)))
         for start in range(bucket, bucket_end, per_block):
             yield positions[start : min(start + per_block, bucket_end)], k, width
+
+
+def _padded(
+    x: np.ndarray, first: np.ndarray, sizes: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A block's rows (B, width, d): device i's are x[first[i]:first[i] + sizes[i]], then zero rows; which are
+    real (valid, (B, width)); and each slot's row in x (index, 0 for padding)."""
+    slots = np.arange(width)
+    valid = slots[None, :] < sizes[:, None]
+    index = np.where(valid, first[:, None] + slots[None, :], 0)
+    return np.where(valid[:, :, None], x[index], 0.0), valid, index
 
 
 BATCH_ELEMENTS = 1 << 19
@@ -506,11 +514,9 @@ def _private_local_steps(
     parts = []
     # The largest arrays of a block: its rows (B, P, d), and a row's distance to each center (B, k, P).
     for members, k, width in _blocks(np.arange(len(devices)), sizes, ks, lambda k: max(d, k)):
-        valid = np.arange(width)[None, :] < sizes[members][:, None]
-        index = np.where(valid, starts[members][:, None] + np.arange(width)[None, :], 0)
+        rows, valid, _ = _padded(x, starts[members], sizes[members], width)
         rounds = _private_round_centers(k, params.privacy_rounds)
         directions, normals = _private_draws(params.seed, noise_key, devices[members], rounds, d)
-        rows = np.where(valid[:, :, None], x[index], 0.0)
         found = _private_block_steps(rows, valid, k, directions, normals, params)
         parts.append(dataclasses.replace(found, owner=members[found.owner]))
     return DevicesCenters.joined(parts, d)
