@@ -64,3 +64,24 @@ def test_a_python_worker_failure_is_told_by_its_own_exception(spark):
     assert (
         describe(failure.value) == "Spark failed: a Python worker raised ModuleNotFoundError: No module named 'numpy'"
     )
+
+
+@pytest.mark.spark
+def test_a_lost_task_result_is_told_with_what_to_do(spark):
+    """toArrow fetches its result in another thread, and Spark wraps that thread's failure (awaitResult): the
+    line is the failure inside. A result the driver could not take (TaskResultLost: a million devices' local
+    centers on Spark's default 1 GiB heap) says to raise the driver's memory."""
+    from py4j.protocol import Py4JJavaError
+
+    jvm = spark.sparkContext._jvm
+    lost = (
+        "Job aborted due to stage failure: Task 1 in stage 14.0 failed 1 times, most recent failure: Lost task 1.0 "
+        "in stage 14.0 (TID 40) (192.0.2.2 executor driver): TaskResultLost (result lost from block manager)"
+    )
+    wrapped = jvm.org.apache.spark.SparkException(
+        "Exception thrown in awaitResult: ", jvm.org.apache.spark.SparkException(lost)
+    )
+    assert describe(Py4JJavaError("An error occurred while calling o171.getResult.", wrapped)) == (
+        f"Spark failed: org.apache.spark.SparkException: {lost}; a task's result did not reach the driver, most "
+        "often because the driver is short of memory: raise spark.driver.memory"
+    )

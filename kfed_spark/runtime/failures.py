@@ -23,7 +23,7 @@ def describe(exc: BaseException) -> str | None:
     from pyspark.errors import PySparkException
 
     if isinstance(exc, Py4JJavaError):
-        full = str(exc.java_exception)
+        full = str(unwrapped(exc.java_exception))
     elif isinstance(exc, PySparkException):
         full = str(exc)
     else:
@@ -35,7 +35,26 @@ def describe(exc: BaseException) -> str | None:
     if "delta" in text.lower() and ("ClassNotFoundException" in text or "find" in text.lower()):
         package = delta_package() or "io.delta:delta-spark_<spark>_2.13:<delta>"
         return f"Delta Lake is not on Spark's classpath ({text}); pass --packages {package}"
+    if RESULT_LOST in text:
+        return f"Spark failed: {text}; {RESULT_LOST_HINT}"
     return f"Spark failed: {text}"
+
+
+AWAITED = "Exception thrown in awaitResult"
+"""The message of Spark's wrapper of a failure in another thread: the failure is its cause."""
+RESULT_LOST = "TaskResultLost"
+RESULT_LOST_HINT = (
+    "a task's result did not reach the driver, most often because the driver is short of memory: "
+    "raise spark.driver.memory"
+)
+
+
+def unwrapped(java_exception):
+    """The Java exception, or the failure inside Spark's wrapper (AWAITED) that a result fetched in another
+    thread throws, as toArrow's does."""
+    while java_exception.getCause() is not None and str(java_exception.getMessage() or "").startswith(AWAITED):
+        java_exception = java_exception.getCause()
+    return java_exception
 
 
 PYTHON_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)(: .*)?$")
