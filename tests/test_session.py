@@ -123,50 +123,6 @@ def test_a_local_spark_gets_partition_counts_sized_to_its_cores(monkeypatch):
     assert sizes() == {}
 
 
-@pytest.mark.fast
-def test_a_local_spark_gets_a_quarter_of_the_memory_unless_told_otherwise(tmp_path, monkeypatch):
-    """The heap of a local Spark that the job starts: a quarter of the memory, between Spark's 1 GiB and the
-    largest heap with compressed pointers; none where the Spark is not local or where Spark's own places
-    (SPARK_DRIVER_MEMORY, PYSPARK_SUBMIT_ARGS, spark-defaults.conf) set it."""
-    from kfed_spark.config import SparkConfig
-    from kfed_spark.spark.session import local_heap_mib, local_memory, usable_memory_mib
-
-    for name in ("MASTER", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE", "SPARK_DRIVER_MEMORY", "PYSPARK_SUBMIT_ARGS"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
-    assert [local_heap_mib(mib) for mib in (2048, 8192, 24105, 512 * 1024)] == [1024, 2048, 6026, 31 * 1024]
-    quarter = {"spark.driver.memory": f"{local_heap_mib(usable_memory_mib())}m"}
-    assert local_memory(SparkConfig()) == local_memory(SparkConfig(master="local[2]")) == quarter
-    assert local_memory(SparkConfig(master="yarn")) == local_memory(SparkConfig(remote="sc://127.0.0.1:15002")) == {}
-    (tmp_path / "spark-defaults.conf").write_text("spark.driver.memory   3g\n")
-    assert local_memory(SparkConfig()) == {}
-    (tmp_path / "spark-defaults.conf").write_text("spark.driver.memoryOverhead 1g\n")
-    assert local_memory(SparkConfig()) == quarter
-    for name, value in (("SPARK_DRIVER_MEMORY", "3g"), ("PYSPARK_SUBMIT_ARGS", "--driver-memory 3g pyspark-shell")):
-        monkeypatch.setenv(name, value)
-        assert local_memory(SparkConfig()) == {}, name
-        monkeypatch.delenv(name)
-
-
-@pytest.mark.integration
-def test_a_local_session_started_without_a_memory_setting_has_the_quarter_heap(tmp_path):
-    """What local_memory is for: the JVM that build_session starts for a config without spark.driver.memory
-    gets that heap (Spark's own default, 1 GiB, cannot hold a million devices' local centers)."""
-    script = (
-        "from kfed_spark.config import SparkConfig; from kfed_spark.spark.session import build_session; "
-        "spark = build_session(SparkConfig(master='local[1]')); "
-        "print(spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory() // 2**20); spark.stop()"
-    )
-    env = {key: value for key, value in os.environ.items() if key not in ("SPARK_DRIVER_MEMORY", "PYSPARK_SUBMIT_ARGS")}
-    env["SPARK_CONF_DIR"] = str(tmp_path)
-    shown = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0, shown.stderr[-2000:]
-    from kfed_spark.spark.session import local_heap_mib, usable_memory_mib
-
-    heap = local_heap_mib(usable_memory_mib())
-    assert 0.85 * heap <= int(shown.stdout.split()[-1]) <= heap  # the JVM counts one survivor space out
-
-
 @pytest.mark.spark
 def test_a_session_already_running_keeps_its_own_partition_counts(spark):
     """A run in a process whose Spark is already up (a notebook's, the tests') with a config of no Spark

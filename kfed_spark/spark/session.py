@@ -58,12 +58,6 @@ JVM_ARCHIVE_ENV = "KFED_JVM_ARCHIVE"
 DRIVER_DEFAULT_JAVA_OPTIONS = "spark.driver.defaultJavaOptions"
 """Java options Spark puts before spark.driver.extraJavaOptions: the archive goes here, so that a config's
 own extra options stay as they are."""
-DRIVER_MEMORY = "spark.driver.memory"
-LOCAL_HEAP_SHARE = 4
-"""A local Spark that the job starts gets a quarter of the machine's memory as its heap (local_memory): the rest
-is for its Python workers, the driver's Python and the files it reads."""
-LARGEST_COMPRESSED_OOPS_HEAP_MIB = 31 * 1024
-"""Above about 32 GiB the JVM can no longer compress its object pointers, and a larger heap holds fewer objects."""
 QUIET_ARCHIVE = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
 """An archive the JVM cannot use (another Java, another class path) is skipped without a word on the console."""
 
@@ -106,7 +100,7 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
         **UNSORTED_PARTITION_WRITES,
         "spark.log.level": DEFAULT_SPARK_LOG_LEVEL,
         **ONE_BLAS_THREAD_PER_WORKER,
-        **({**local_sizes(spark_cfg), **local_memory(spark_cfg)} if starts_spark else {}),
+        **(local_sizes(spark_cfg) if starts_spark else {}),
         **spark_cfg.conf,
     }
     if starts_spark:
@@ -313,53 +307,6 @@ def local_sizes(spark_cfg: SparkConfig) -> dict[str, str]:
         "spark.sql.shuffle.partitions": str(TASKS_PER_LOCAL_CORE * cores),
         "spark.databricks.delta.snapshotPartitions": str(min(cores, DELTA_SNAPSHOT_PARTITIONS)),
     }
-
-
-def local_memory(spark_cfg: SparkConfig) -> dict[str, str]:
-    """The heap of a local Spark that this process starts, where nothing else sets it (the config, which wins,
-    SPARK_DRIVER_MEMORY, PYSPARK_SUBMIT_ARGS or spark-defaults.conf): LOCAL_HEAP_SHARE of the memory this
-    process may use, between Spark's own 1 GiB and LARGEST_COMPRESSED_OOPS_HEAP_MIB. In local mode that one
-    JVM is the driver and every executor, and Spark's 1 GiB, sized for a driver alone, cannot hold the local
-    centers of a million devices as they come back to the driver."""
-    if local_cores(spark_cfg) is None or driver_memory_set_outside_the_config():
-        return {}
-    return {DRIVER_MEMORY: f"{local_heap_mib(usable_memory_mib())}m"}
-
-
-def local_heap_mib(usable_mib: int) -> int:
-    """local_memory's rule: LOCAL_HEAP_SHARE of usable_mib, at least Spark's default 1 GiB, at most
-    LARGEST_COMPRESSED_OOPS_HEAP_MIB."""
-    return min(max(usable_mib // LOCAL_HEAP_SHARE, 1024), LARGEST_COMPRESSED_OOPS_HEAP_MIB)
-
-
-def usable_memory_mib() -> int:
-    """This machine's memory, or its control group's limit where that is lower (a container's)."""
-    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # v2, v1
-        try:
-            limit = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if limit.isdigit():  # v2 says "max" for none
-            limits.append(int(limit))
-    return min(limits) // 2**20
-
-
-def driver_memory_set_outside_the_config() -> bool:
-    """spark-submit, which starts a local Spark's JVM, takes its heap from SPARK_DRIVER_MEMORY,
-    PYSPARK_SUBMIT_ARGS or spark-defaults.conf when no --conf names it."""
-    submit_args = os.environ.get("PYSPARK_SUBMIT_ARGS", "")
-    if os.environ.get("SPARK_DRIVER_MEMORY") or "--driver-memory" in submit_args or DRIVER_MEMORY in submit_args:
-        return True
-    import pyspark
-
-    home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)  # pip's pyspark is its own home
-    folder = os.environ.get("SPARK_CONF_DIR") or os.path.join(home, "conf")
-    try:
-        defaults = Path(folder, "spark-defaults.conf").read_text()
-    except OSError:
-        return False
-    return any(line.split(maxsplit=1)[:1] == [DRIVER_MEMORY] for line in defaults.splitlines())
 
 
 def under_spark_submit() -> bool:
