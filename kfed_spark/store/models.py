@@ -12,7 +12,6 @@ import numpy as np
 import pyarrow as pa
 from pyspark.ml.util import DefaultParamsReader
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from kfed_spark.core.identity import ClusterSummary, ReferenceRun, largest_share
 from kfed_spark.core.k_sweep import KSweep
@@ -22,7 +21,7 @@ from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
 from kfed_spark.spark.input import absolute
-from kfed_spark.store.delta import concurrently
+from kfed_spark.store.delta import attempt_filter, concurrently
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import RunRecord
 
@@ -107,9 +106,9 @@ def stored_model(tables: OutputTables, run_id: str | None = None) -> StoredModel
 
 def published_run(tables: OutputTables, run_id: str | None = None) -> RunRecord:
     """The runs row of the run id's published attempt (by default the newest succeeded run's), or a one-line
-    error. Which attempt is published is found from the runs rows as read (ledger.published_rows), and its rows
-    are then read from its own partitions: a query of the published views aggregates over runs, a plan that
-    costs seconds in a fresh JVM."""
+    error. Which attempt is published is found from the runs rows as read (ledger.published_rows), not by a query
+    of the published views, which aggregates over runs, a plan that costs seconds in a fresh JVM; callers then
+    read that attempt's own partitions (attempt_filter)."""
     from kfed_spark.store.ledger import Ledger, newest, published_rows  # here: the estimator imports this module
 
     found = published_rows(Ledger(tables).rows_if_any()) if tables.check_log("centers") else []
@@ -123,7 +122,7 @@ def published_run(tables: OutputTables, run_id: str | None = None) -> RunRecord:
 
 def attempt_model(tables: OutputTables, run_id: str, attempt_id: str, config: dict | None = None) -> StoredModel:
     """The model an attempt of a run wrote (its centers and local centers), read beside each other."""
-    attempt = (F.col("run_id") == run_id) & (F.col("attempt_id") == attempt_id)
+    attempt = attempt_filter(run_id, attempt_id)
     read = {
         "centers": lambda: tables.read("centers").filter(attempt).select("cluster_id", "center").toArrow(),
         "local_centers": lambda: (
