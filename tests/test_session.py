@@ -88,6 +88,54 @@ def test_the_tests_jvm_maps_the_class_archive(spark, jvm_archive):
     assert int(mapped.split("size ")[1].split(",")[0]) > jvm_archive.stat().st_size
 
 
+@pytest.mark.fast
+def test_a_local_spark_collects_with_the_throughput_collector_unless_an_option_names_one(tmp_path, monkeypatch):
+    """Two collectors stop the JVM from starting: the throughput collector is added only where no Java option
+    of the settings, the environment or spark-defaults.conf chooses one."""
+    from kfed_spark.spark.session import DRIVER_DEFAULT_JAVA_OPTIONS, JAVA_OPTIONS_ENVIRONMENT, with_local_collector
+
+    for name in JAVA_OPTIONS_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    assert with_local_collector({DRIVER_DEFAULT_JAVA_OPTIONS: "-Xss4m"}) == {
+        DRIVER_DEFAULT_JAVA_OPTIONS: "-Xss4m -XX:+UseParallelGC"
+    }
+    turned_off = {"spark.driver.extraJavaOptions": "-XX:-UseSerialGC"}  # turns one off, chooses none
+    assert with_local_collector(turned_off) == {**turned_off, DRIVER_DEFAULT_JAVA_OPTIONS: "-XX:+UseParallelGC"}
+    own = {"spark.driver.extraJavaOptions": "-Dx=1 -XX:+UseG1GC"}
+    assert with_local_collector(own) == own
+    for name in JAVA_OPTIONS_ENVIRONMENT:
+        monkeypatch.setenv(name, "-XX:+UseSerialGC")
+        assert with_local_collector({}) == {}, name
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "--properties-file /etc/spark.conf pyspark-shell")
+    assert with_local_collector({}) == {}  # a file of settings it does not read
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")
+    (tmp_path / "spark-defaults.conf").write_text("spark.driver.extraJavaOptions  -XX:+UseZGC\n")
+    assert with_local_collector({}) == {}
+
+
+@pytest.mark.spark
+def test_a_local_spark_runs_the_collector_it_is_given():
+    """A local session that this process starts collects with the throughput collector, and with the one a
+    Java option in the environment chooses instead (the JVM would not start with both)."""
+    from kfed_spark.spark.session import JAVA_OPTIONS_ENVIRONMENT
+
+    show = (
+        "from kfed_spark.config import SparkConfig; from kfed_spark.spark.session import build_session; "
+        "spark = build_session(SparkConfig(master='local[1]')); "
+        "beans = spark.sparkContext._jvm.java.lang.management.ManagementFactory.getGarbageCollectorMXBeans(); "
+        "print(sorted(bean.getName() for bean in beans)); spark.stop()"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in JAVA_OPTIONS_ENVIRONMENT}
+    runs = [
+        subprocess.Popen([sys.executable, "-c", show], env={**env, **extra}, stdout=subprocess.PIPE, text=True)
+        for extra in ({}, {"SPARK_SUBMIT_OPTS": "-XX:+UseSerialGC -XX:TieredStopAtLevel=1"})
+    ]
+    seen = [run.communicate(timeout=300)[0].strip().splitlines()[-1] for run in runs]
+    assert seen == ["['PS MarkSweep', 'PS Scavenge']", "['Copy', 'MarkSweepCompact']"]
+
+
 SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 SNAPSHOT_PARTITIONS = "spark.databricks.delta.snapshotPartitions"
 

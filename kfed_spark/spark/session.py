@@ -60,6 +60,19 @@ DRIVER_DEFAULT_JAVA_OPTIONS = "spark.driver.defaultJavaOptions"
 own extra options stay as they are."""
 QUIET_ARCHIVE = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
 """An archive the JVM cannot use (another Java, another class path) is skipped without a word on the console."""
+THROUGHPUT_COLLECTOR = "-XX:+UseParallelGC"
+"""The garbage collector of a local Spark that this process starts (with_local_collector)."""
+COLLECTOR_OPTION = re.compile(r"-XX:\+Use\w+GC\b")
+"""A Java option that chooses a garbage collector: the JVM refuses to start with two."""
+DRIVER_JAVA_OPTIONS = (DRIVER_DEFAULT_JAVA_OPTIONS, "spark.driver.extraJavaOptions")
+JAVA_OPTIONS_ENVIRONMENT = (
+    "SPARK_SUBMIT_OPTS",
+    "JAVA_TOOL_OPTIONS",
+    "_JAVA_OPTIONS",
+    "JDK_JAVA_OPTIONS",
+    "PYSPARK_SUBMIT_ARGS",
+)
+"""The environment variables that the JVM pyspark starts through spark-submit also takes Java options from."""
 
 
 def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSession:
@@ -104,7 +117,7 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
         **spark_cfg.conf,
     }
     if starts_spark:
-        conf = with_jvm_archive(conf)
+        conf = with_jvm_archive(with_local_collector(conf) if local_cores(spark_cfg) else conf)
     for key, value in {**conf, CONSOLE_PROGRESS: console_progress(conf)}.items():
         builder = builder.config(key, conf_value(value))
     local_jars = os.environ.get(DELTA_JARS_ENV)
@@ -194,13 +207,42 @@ def with_jvm_archive(conf: dict) -> dict:
     the config names no archive of its own. The JVM then maps the classes a run loads, already parsed and
     verified, instead of reading them from the jars: a local session starts seconds sooner."""
     archive = jvm_archive_file()
-    options = " ".join(
-        conf_value(conf.get(key, "")) for key in (DRIVER_DEFAULT_JAVA_OPTIONS, "spark.driver.extraJavaOptions")
-    )
+    options = " ".join(conf_value(conf.get(key, "")) for key in DRIVER_JAVA_OPTIONS)
     if archive is None or not archive.is_file() or "SharedArchiveFile" in options or "ArchiveClassesAtExit" in options:
         return conf
     default = conf_value(conf.get(DRIVER_DEFAULT_JAVA_OPTIONS, ""))
     return {**conf, DRIVER_DEFAULT_JAVA_OPTIONS: f"{default} -XX:SharedArchiveFile={archive} {QUIET_ARCHIVE}".strip()}
+
+
+def with_local_collector(conf: dict) -> dict:
+    """The settings of a local Spark that this process starts, with the throughput collector where no Java
+    option chooses a collector (names_a_collector). In local mode one JVM is the driver and every executor,
+    on a few cores that its Python workers need too. Java's default collector does much of its work on
+    threads of its own while the job runs, which takes those cores; the throughput collector does all of it
+    in pauses, which a batch job does not mind."""
+    if names_a_collector(conf):
+        return conf
+    default = conf_value(conf.get(DRIVER_DEFAULT_JAVA_OPTIONS, ""))
+    return {**conf, DRIVER_DEFAULT_JAVA_OPTIONS: f"{default} {THROUGHPUT_COLLECTOR}".strip()}
+
+
+def names_a_collector(conf: dict) -> bool:
+    """Some Java option the local JVM gets besides kfed-spark's chooses a garbage collector: in the settings,
+    the environment (JAVA_OPTIONS_ENVIRONMENT) or spark-defaults.conf; a properties file that
+    PYSPARK_SUBMIT_ARGS names counts as one that does."""
+    if "--properties-file" in os.environ.get("PYSPARK_SUBMIT_ARGS", ""):
+        return True
+    options = [conf_value(conf.get(key, "")) for key in DRIVER_JAVA_OPTIONS]
+    options += [os.environ.get(name, "") for name in JAVA_OPTIONS_ENVIRONMENT]
+    import pyspark
+
+    home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)  # pip's pyspark is its own home
+    try:
+        defaults = Path(os.environ.get("SPARK_CONF_DIR") or os.path.join(home, "conf"), "spark-defaults.conf")
+        options += [line for line in defaults.read_text().splitlines() if line.strip().startswith(DRIVER_JAVA_OPTIONS)]
+    except OSError:
+        pass
+    return any(COLLECTOR_OPTION.search(text) for text in options)
 
 
 def write_jvm_archive(target: Path, work: Path) -> int:
