@@ -210,8 +210,7 @@ def with_jvm_archive(conf: dict) -> dict:
     options = " ".join(conf_value(conf.get(key, "")) for key in DRIVER_JAVA_OPTIONS)
     if archive is None or not archive.is_file() or "SharedArchiveFile" in options or "ArchiveClassesAtExit" in options:
         return conf
-    default = conf_value(conf.get(DRIVER_DEFAULT_JAVA_OPTIONS, ""))
-    return {**conf, DRIVER_DEFAULT_JAVA_OPTIONS: f"{default} -XX:SharedArchiveFile={archive} {QUIET_ARCHIVE}".strip()}
+    return with_default_java_options(conf, f"-XX:SharedArchiveFile={archive} {QUIET_ARCHIVE}")
 
 
 def with_local_collector(conf: dict) -> dict:
@@ -222,8 +221,14 @@ def with_local_collector(conf: dict) -> dict:
     in pauses, which a batch job does not mind."""
     if names_a_collector(conf):
         return conf
+    return with_default_java_options(conf, THROUGHPUT_COLLECTOR)
+
+
+def with_default_java_options(conf: dict, options: str) -> dict:
+    """The settings with options after the driver's default Java options, which Spark puts before
+    spark.driver.extraJavaOptions: a config's own extra options stay as they are, and come after them."""
     default = conf_value(conf.get(DRIVER_DEFAULT_JAVA_OPTIONS, ""))
-    return {**conf, DRIVER_DEFAULT_JAVA_OPTIONS: f"{default} {THROUGHPUT_COLLECTOR}".strip()}
+    return {**conf, DRIVER_DEFAULT_JAVA_OPTIONS: f"{default} {options}".strip()}
 
 
 def names_a_collector(conf: dict) -> bool:
