@@ -55,6 +55,33 @@ def test_a_session_writes_a_partition_without_sorting_its_rows_first(spark, tmp_
     assert back.count() == 1000 and back.select("part").distinct().count() == 7
 
 
+@pytest.mark.spark
+def test_a_commit_off_utc_does_not_rebuild_the_tables_file_list(spark, tmp_path):
+    """In a session on local time (not UTC), a commit leaves its new snapshot as Delta's incremental commit
+    made it: no state reconstruction from the log. With Delta's own default for such a session it rebuilds it."""
+    from kfed_spark.spark.session import COMMITS_WITHOUT_FILE_LIST_REPLAY
+
+    (key, value), zone = next(iter(COMMITS_WITHOUT_FILE_LIST_REPLAY.items())), "spark.sql.session.timeZone"
+    before = {name: spark.conf.get(name) for name in (key, zone)}
+    assert before[key] == value
+
+    def rebuilt_after_append(folder: str) -> bool:
+        path = str(tmp_path / folder)
+        spark.range(3).write.format("delta").save(path)
+        spark.range(3).write.format("delta").mode("append").save(path)
+        log = spark.sparkContext._jvm.org.apache.spark.sql.delta.DeltaLog.forTable(spark._jsparkSession, path)
+        return log.unsafeVolatileSnapshot().stateReconstructionTriggered()
+
+    try:
+        spark.conf.set(zone, "America/Los_Angeles")
+        assert not rebuilt_after_append("ours")
+        spark.conf.set(key, "true")
+        assert rebuilt_after_append("deltas_default")
+    finally:
+        for name, setting in before.items():
+            spark.conf.set(name, setting)
+
+
 @pytest.mark.fast
 def test_a_local_session_starts_from_the_class_archive_unless_told_otherwise(tmp_path, monkeypatch):
     from kfed_spark.spark.session import DRIVER_DEFAULT_JAVA_OPTIONS, JVM_ARCHIVE_ENV, with_jvm_archive

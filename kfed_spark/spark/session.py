@@ -33,6 +33,13 @@ UNSORTED_PARTITION_WRITES = {"spark.sql.maxConcurrentOutputFileWriters": "4"}
 through an open file per partition (up to this many), instead of Spark's default of sorting its rows
 by the partition columns first, which on a million rows of features costs about as much as the
 write. A task that meets more partitions than that sorts the rest, as by default."""
+COMMITS_WITHOUT_FILE_LIST_REPLAY = {
+    "spark.databricks.delta.allFilesInCrc.verificationMode.forceOnNonUTC.enabled": "false",
+}
+"""Delta keeps a small table's list of files in each commit's checksum file. Where the session's or the JVM's
+time zone is not UTC, it also rebuilds that list from the log after every commit (Spark jobs, up to a second a
+commit on a local Spark) only to compare the two: a difference is logged, and nothing read or written depends
+on the comparison. In UTC Delta does not check; kfed-spark's sessions commit as in UTC wherever they run."""
 DEFAULT_SPARK_LOG_LEVEL = "WARN"
 """Spark's own log level unless the config sets spark.log.level (under spark-submit Spark would log at INFO)."""
 SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
@@ -91,7 +98,7 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
     remote = connect_url(spark_cfg)
     if remote:
         check_reachable(remote)
-        settings = {**UNSORTED_PARTITION_WRITES, **spark_cfg.conf}
+        settings = {**UNSORTED_PARTITION_WRITES, **COMMITS_WITHOUT_FILE_LIST_REPLAY, **spark_cfg.conf}
         sent = {key: value for key, value in settings.items() if key.startswith(SESSION_CONF_PREFIXES)}
         if len(sent) < len(settings):
             server_side = ", ".join(sorted(set(settings) - set(sent)))
@@ -111,6 +118,7 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
     conf = {
         **DELTA_SQL_CONF,
         **UNSORTED_PARTITION_WRITES,
+        **COMMITS_WITHOUT_FILE_LIST_REPLAY,
         "spark.log.level": DEFAULT_SPARK_LOG_LEVEL,
         **ONE_BLAS_THREAD_PER_WORKER,
         **(local_sizes(spark_cfg) if starts_spark else {}),
