@@ -38,8 +38,9 @@ COMMITS_WITHOUT_FILE_LIST_REPLAY = {
 }
 """Delta keeps a small table's list of files in each commit's checksum file. Where the session's or the JVM's
 time zone is not UTC, it also rebuilds that list from the log after every commit (Spark jobs, up to a second a
-commit on a local Spark) only to compare the two: a difference is logged, and nothing read or written depends
-on the comparison. In UTC Delta does not check; kfed-spark's sessions commit as in UTC wherever they run."""
+commit on a local Spark) only to compare the two: a difference is logged and the list left out of later
+checksum files; what a query reads never depends on it. In UTC Delta does not check; kfed-spark's sessions
+commit as in UTC wherever they run."""
 DEFAULT_SPARK_LOG_LEVEL = "WARN"
 """Spark's own log level unless the config sets spark.log.level (under spark-submit Spark would log at INFO)."""
 SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
