@@ -3,6 +3,7 @@ locations, the catalog and relative paths."""
 
 import json
 import shutil
+from datetime import datetime, timezone
 
 import pytest
 from deltalake import DeltaTable
@@ -10,6 +11,7 @@ from deltalake import DeltaTable
 from helpers import MIXTURE, assert_commented, labels_of, published, refused, run_cli, runs_of
 from kfed_spark.params import DEFAULTS
 from kfed_spark.store.delta import rows_frame
+from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import RUNS_SCHEMA, TABLES, RunRecord
 
 pytestmark = pytest.mark.spark
@@ -151,3 +153,26 @@ def test_a_runs_row_reaches_spark_whole_and_without_a_python_task(spark, publish
     assert RunRecord.of(frame.first().asDict()) == record
     plan = frame._jdf.queryExecution().executedPlan().toString()
     assert "LocalTableScan" in plan and "ExistingRDD" not in plan, plan
+
+
+def test_a_publish_reads_back_its_run_ids_rows_alone(spark, config):
+    """`runs` keeps a row per attempt the location ever ran, in a partition of its own: a publish reads back
+    its run id's partitions alone, so that it takes as long on a location's thousandth run as on its first."""
+    from kfed_spark.config import load_config
+    from kfed_spark.runs.job import attempt_row
+    from kfed_spark.store.ledger import Ledger, new_attempt_id
+
+    cfg = load_config(config)
+    tables = OutputTables(spark, cfg.output)
+    tables.prepare({"runs": RUNS_SCHEMA})
+    ledger = Ledger(tables)
+    started = datetime.now(timezone.utc)
+    begun = {
+        run_id: ledger.begin(attempt_row(cfg, run_id, new_attempt_id(started), None, started))
+        for run_id in ("day1", "day2")
+    }
+    read_back = ledger.publish(*begun["day2"])
+    assert [(row.run_id, row.attempt_id, row.status) for row in read_back] == [
+        ("day2", begun["day2"][0].attempt_id, "succeeded")
+    ]
+    assert sorted((row.run_id, row.status) for row in ledger.rows()) == [("day1", "running"), ("day2", "succeeded")]

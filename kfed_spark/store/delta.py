@@ -178,7 +178,12 @@ def s3a_filesystem(path: str, hadoop_setting: Callable[[str], str | None]) -> tu
 
 def attempt_filter(run_id: str, attempt_id: str) -> str:
     """The SQL predicate of one attempt's partition (both ids are checked against strict patterns)."""
-    return f"run_id = '{run_id}' AND attempt_id = '{attempt_id}'"
+    return f"{run_filter(run_id)} AND attempt_id = '{attempt_id}'"
+
+
+def run_filter(run_id: str) -> str:
+    """The SQL predicate of a run id's partitions, one per attempt (the id is checked against a strict pattern)."""
+    return f"run_id = '{run_id}'"
 
 
 class TableStore:

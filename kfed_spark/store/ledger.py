@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 
 from kfed_spark.errors import AttemptConflict, ConfigError, KFedError, first_line
 from kfed_spark.runtime.stopping import despite_the_stop
-from kfed_spark.store.delta import attempt_filter, rows_frame
+from kfed_spark.store.delta import attempt_filter, rows_frame, run_filter
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import (
     ABANDONED,
@@ -96,16 +96,19 @@ class Ledger:
         self.publishing: set[tuple[str, str]] = set()
         """(run id, attempt id) of the attempts this process began to publish."""
 
-    def rows(self) -> list[RunRecord]:
-        return [RunRecord.of(row.asDict()) for row in self.tables.read("runs").collect()]
+    def rows(self, where: str | None = None) -> list[RunRecord]:
+        """Every runs row, or those of the partitions a SQL predicate on run_id and attempt_id selects: Delta
+        then reads only their files, where the whole table is a file per attempt the location ever ran."""
+        runs = self.tables.read("runs")
+        return [RunRecord.of(row.asDict()) for row in (runs if where is None else runs.filter(where)).collect()]
 
     def rows_if_any(self) -> list[RunRecord]:
         """rows(), or none where the location has no runs table yet."""
         return self.rows() if self.tables.check_log("runs") else []
 
     def row_of(self, run_id: str, attempt_id: str) -> RunRecord | None:
-        found = self.tables.read("runs").filter(attempt_filter(run_id, attempt_id)).collect()
-        return RunRecord.of(found[0].asDict()) if found else None
+        found = self.rows(attempt_filter(run_id, attempt_id))
+        return found[0] if found else None
 
     def status_of(self, run_id: str, attempt_id: str) -> str | None:
         row = self.row_of(run_id, attempt_id)
@@ -140,11 +143,11 @@ class Ledger:
 
     def publish(self, attempt: Attempt, row: RunRecord) -> list[RunRecord]:
         """The one commit that makes the attempt what readers see, or AttemptConflict if another
-        attempt of the run id took its publish number first. Returns the runs rows read back after it
-        (all of them: a plain scan of the small table is already warm where a filtered one is not)."""
+        attempt of the run id took its publish number first. Returns the run id's runs rows read back
+        after it (its partitions only: the time to read them does not grow with the location's age)."""
         self.publishing.add((attempt.run_id, attempt.attempt_id))
         self.write(row.changed(status=SUCCEEDED, publish_seq=attempt.publish_seq), fence=attempt.publish_seq)
-        rows = self.rows()
+        rows = self.rows(run_filter(attempt.run_id))
         landed = next((r for r in rows if (r.run_id, r.attempt_id) == (attempt.run_id, attempt.attempt_id)), None)
         if landed is None or landed.status != SUCCEEDED:
             winner = published_attempts(rows).get(attempt.run_id)
