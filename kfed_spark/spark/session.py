@@ -41,6 +41,8 @@ time zone is not UTC, it also rebuilds that list from the log after every commit
 commit on a local Spark) only to compare the two: a difference is logged and the list left out of later
 checksum files; what a query reads never depends on it. In UTC Delta does not check; kfed-spark's sessions
 commit as in UTC wherever they run."""
+SESSION_DEFAULTS = {**UNSORTED_PARTITION_WRITES, **COMMITS_WITHOUT_FILE_LIST_REPLAY}
+"""The SQL settings of every session build_session makes, local or over Spark Connect, under the config's own."""
 DEFAULT_SPARK_LOG_LEVEL = "WARN"
 """Spark's own log level unless the config sets spark.log.level (under spark-submit Spark would log at INFO)."""
 SESSION_CONF_PREFIXES = ("spark.sql.", "spark.databricks.")
@@ -99,7 +101,7 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
     remote = connect_url(spark_cfg)
     if remote:
         check_reachable(remote)
-        settings = {**UNSORTED_PARTITION_WRITES, **COMMITS_WITHOUT_FILE_LIST_REPLAY, **spark_cfg.conf}
+        settings = {**SESSION_DEFAULTS, **spark_cfg.conf}
         sent = {key: value for key, value in settings.items() if key.startswith(SESSION_CONF_PREFIXES)}
         if len(sent) < len(settings):
             server_side = ", ".join(sorted(set(settings) - set(sent)))
@@ -118,8 +120,7 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
     starts_spark = not under_spark_submit() and SparkContext._active_spark_context is None
     conf = {
         **DELTA_SQL_CONF,
-        **UNSORTED_PARTITION_WRITES,
-        **COMMITS_WITHOUT_FILE_LIST_REPLAY,
+        **SESSION_DEFAULTS,
         "spark.log.level": DEFAULT_SPARK_LOG_LEVEL,
         **ONE_BLAS_THREAD_PER_WORKER,
         **(local_sizes(spark_cfg) if starts_spark else {}),
