@@ -192,6 +192,40 @@ def test_local_step_is_deterministic_and_ignores_row_order():
         np.testing.assert_array_equal(first.counts, other.counts)
 
 
+def rows_of_a_block(*sizes):
+    """valid (B, P) of a block of devices of these sizes, which pad to one row count P as _blocks groups them."""
+    width = set(local_step_module.padded_rows(np.array(sizes)))
+    assert len(width) == 1
+    return np.arange(width.pop())[None, :] < np.array(sizes)[:, None]
+
+
+def test_a_large_devices_rough_clustering_takes_evenly_spaced_rows_of_its_own():
+    sizes = (320, 300, 290)
+    block, rows = local_step_module._rough_rows(rows_of_a_block(*sizes), 2)  # max(ROUGH_ROWS, 32 k): 256
+    np.testing.assert_array_equal(block[:, 0], [0, 1, 2])
+    assert rows.shape == (3, 256)
+    for i, n in enumerate(sizes):
+        gaps = np.diff(rows[i])
+        assert rows[i, 0] == 0 and rows[i, -1] < n  # its own rows only, from the first
+        assert gaps.min() >= 1 and gaps.max() - gaps.min() <= 1  # distinct and evenly spaced
+    assert local_step_module._rough_rows(rows_of_a_block(256, 250), 2) == slice(None)
+    assert local_step_module._rough_rows(rows_of_a_block(*sizes), 10) == slice(None)  # 32 rows a center: 320
+    assert local_step_module._rough_rows(rows_of_a_block(640), 16)[1].shape == (1, 512)
+
+
+def test_a_large_device_finds_a_small_separated_cluster_its_rough_sample_barely_holds():
+    """3,000 rows of 8 clusters, one of 45 rows: about 4 of them are among the rough clustering's 256."""
+    rng = np.random.default_rng(12)
+    means = rng.normal(0, 6, size=(8, 16))
+    sizes = [45] + [422] * 6 + [3000 - 45 - 6 * 422]
+    truth = np.repeat(np.arange(8), sizes)
+    x = means[truth] + rng.standard_normal((3000, 16))
+    for seed in range(5):
+        result = device_local_step(x, 8, "phone", AlgorithmParams(seed=seed))
+        assert adjusted_rand_score(truth, nearest_center(x, result.centers)[0]) == 1.0
+        assert sorted(result.counts)[0] == 45
+
+
 def draws_for(device, k, restarts):
     """The uniform draws a device's rough clusterings take (after none for its projection, d < 512)."""
     return device_rng(1, device).random((restarts, 1 + (2 + int(np.log(k))) * (k - 1)))
@@ -239,6 +273,7 @@ def test_a_device_finds_the_same_local_centers_alone_and_among_others(monkeypatc
     table = close_means_mixture(0, devices=40, rows=(5, 300))
     x = feature_matrix(table.column("features"))
     devices = table.column("device_id").to_numpy()
+    assert np.bincount(devices).max() > local_step_module.ROUGH_ROWS  # some rough clusterings take a sample
     params = AlgorithmParams(k=49, k_per_device=7)
     if private:
         params = dataclasses.replace(params, privacy_epsilon=3.0, privacy_bounds=(float(x.min()), float(x.max())))

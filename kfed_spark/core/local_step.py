@@ -36,6 +36,12 @@ ROUGH_LLOYD_ITERATIONS = 10
 """Lloyd steps after k-means++ in the projection: the analysis only needs a constant-factor start."""
 
 
+ROUGH_ROWS = 256
+ROUGH_ROWS_PER_CENTER = 32
+"""The rough clustering of a device takes about max(ROUGH_ROWS, ROUGH_ROWS_PER_CENTER * k) of its distinct rows
+at most (_rough_rows)."""
+
+
 SPLIT_STEP = 1e-6
 """The private local step splits a center by moving its copy this fraction of the box's half-width."""
 
@@ -261,7 +267,8 @@ def _block_local_steps(
         draws = device_uniforms(params.seed, devices, params.local_restarts * per_restart)
         draws = draws.reshape(len(devices), params.local_restarts, per_restart)
     projected = rows @ projections  # (B, P, rank)
-    rough, present = _rough_centers(projected, weights, valid, k, draws)
+    seeding = _rough_rows(valid, k)
+    rough, present = _rough_centers(projected[seeding], weights[seeding], valid[seeding], k, draws)
     initial = _margin_initial_centers(rows, projected, weights, valid, rough, present)
     centers, labels, sq_dist = _lloyd(rows, weights, valid, initial, present, params.max_iter, params.tol)
     mass = _by_label(labels, weights, k).sum(axis=2)
@@ -269,6 +276,24 @@ def _block_local_steps(
     keep = mass > 0
     owner = np.repeat(np.arange(len(x)), keep.sum(axis=1))
     return DevicesCenters(owner, (centers + origin[:, None, :])[keep], mass[keep].astype(np.int64), sse[keep])
+
+
+def _rough_rows(valid: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | slice:
+    """Which of a block's rows (valid (B, P)) its rough clustering takes: all of them, or where its devices hold
+    more distinct rows than size = padded_rows(max(ROUGH_ROWS, ROUGH_ROWS_PER_CENTER * k)), size of each device's,
+    evenly spaced in their lexicographic order: an index into the block's (B, P) arrays.
+
+    The rough clustering only has to be within a constant factor of the best one, since the margin rule and the
+    Lloyd rounds after it take every row; its seeding and Lloyd rounds cost in proportion to the rows they take.
+    At ROUGH_ROWS_PER_CENTER rows a center on average, a cluster of a few percent of a device's rows still has
+    several rows in the sample. Whether a device is sampled depends on its own size alone (its block's row
+    count is its own padded_rows) and its sample on its own distinct rows, so it is the same alone or among
+    other devices."""
+    size = int(padded_rows(np.array([max(ROUGH_ROWS, ROUGH_ROWS_PER_CENTER * k)]))[0])
+    if valid.shape[1] <= size:  # padded_rows is monotone and keeps its own results: no device has more rows
+        return slice(None)
+    rows = valid.sum(axis=1)
+    return np.arange(len(valid))[:, None], np.arange(size)[None, :] * rows[:, None] // size
 
 
 def _gram_projections(rows: np.ndarray, weights: np.ndarray, rank: int) -> np.ndarray:
