@@ -155,6 +155,34 @@ def test_a_runs_row_reaches_spark_whole_and_without_a_python_task(spark, publish
     assert "LocalTableScan" in plan and "ExistingRDD" not in plan, plan
 
 
+def test_a_named_published_run_is_found_from_its_run_ids_rows_alone(spark, config):
+    """published_run with a run id (assign --model-run, describe --run, KFedModel.from_run) reads that run
+    id's partitions of runs alone, as the publish does: another run id's rows are never opened, so that a
+    location's thousandth run is found as soon as its first. An unreadable file of another run shows it."""
+    from pathlib import Path
+
+    from pyspark.sql.types import StructType
+
+    from kfed_spark.config import load_config
+    from kfed_spark.runs.job import attempt_row
+    from kfed_spark.store.ledger import Ledger, new_attempt_id
+    from kfed_spark.store.models import published_run
+    from kfed_spark.store.tables import ATTEMPT_FIELDS, CENTERS_FIELDS
+
+    cfg = load_config(config)
+    tables = OutputTables(spark, cfg.output)
+    tables.prepare({"runs": RUNS_SCHEMA, "centers": StructType(CENTERS_FIELDS + ATTEMPT_FIELDS)})
+    ledger = Ledger(tables)
+    started = datetime.now(timezone.utc)
+    for run_id in ("day1", "day2"):
+        ledger.publish(*ledger.begin(attempt_row(cfg, run_id, new_attempt_id(started), None, started)))
+    other = list((Path(tables.root) / "runs").glob("run_id=day1/**/*.parquet"))
+    assert other
+    for data in other:
+        data.unlink()
+    assert published_run(tables, "day2").run_id == "day2"
+
+
 def test_a_publish_reads_back_its_run_ids_rows_alone(spark, config):
     """`runs` keeps a row per attempt the location ever ran, in a partition of its own: a publish reads back
     its run id's partitions alone, so that it takes as long on a location's thousandth run as on its first."""

@@ -34,6 +34,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
+from pyspark.sql import Column
+
 from kfed_spark.errors import AttemptConflict, ConfigError, KFedError, first_line
 from kfed_spark.runtime.stopping import despite_the_stop
 from kfed_spark.store.delta import attempt_filter, rows_frame, run_filter
@@ -96,9 +98,10 @@ class Ledger:
         self.publishing: set[tuple[str, str]] = set()
         """(run id, attempt id) of the attempts this process began to publish."""
 
-    def rows(self, where: str | None = None) -> list[RunRecord]:
-        """Every runs row, or those of the partitions a SQL predicate on run_id and attempt_id selects: Delta
-        then reads only their files, where the whole table is a file per attempt the location ever ran."""
+    def rows(self, where: str | Column | None = None) -> list[RunRecord]:
+        """Every runs row, or those of the partitions a predicate on run_id and attempt_id selects (SQL, or a
+        Column for a run id as a user typed it): Delta then reads only their files, where the whole table is a
+        file per attempt the location ever ran."""
         runs = self.tables.read("runs")
         return [RunRecord.of(row.asDict()) for row in (runs if where is None else runs.filter(where)).collect()]
 

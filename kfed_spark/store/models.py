@@ -108,11 +108,17 @@ def published_run(tables: OutputTables, run_id: str | None = None) -> RunRecord:
     """The runs row of the run id's published attempt (by default the newest succeeded run's), or a one-line
     error. Which attempt is published is found from the runs rows as read (ledger.published_rows), not by a query
     of the published views, which aggregates over runs, a plan that costs seconds in a fresh JVM; callers then
-    read that attempt's own partitions (attempt_filter)."""
+    read that attempt's own partitions (attempt_filter). A named run's rows are read alone: runs keeps a file
+    per attempt the location ever ran."""
+    from pyspark.sql import functions as F
+
     from kfed_spark.store.ledger import Ledger, newest, published_rows  # here: the estimator imports this module
 
-    found = published_rows(Ledger(tables).rows_if_any()) if tables.check_log("centers") else []
-    row = newest(found) if run_id is None else next((r for r in found if r.run_id == run_id), None)
+    if not (tables.check_log("centers") and tables.check_log("runs")):
+        found = []
+    else:
+        found = published_rows(Ledger(tables).rows(None if run_id is None else F.col("run_id") == F.lit(run_id)))
+    row = newest(found) if run_id is None else next(iter(found), None)
     if row is None:
         if run_id is None:
             raise KFedError(f"no succeeded run under {tables.root} to take a model from")
