@@ -105,9 +105,9 @@ class Ledger:
         runs = self.tables.read("runs")
         return [RunRecord.of(row.asDict()) for row in (runs if where is None else runs.filter(where)).collect()]
 
-    def rows_if_any(self) -> list[RunRecord]:
-        """rows(), or none where the location has no runs table yet."""
-        return self.rows() if self.tables.check_log("runs") else []
+    def rows_if_any(self, where: str | Column | None = None) -> list[RunRecord]:
+        """rows(where), or none where the location has no runs table yet."""
+        return self.rows(where) if self.tables.check_log("runs") else []
 
     def row_of(self, run_id: str, attempt_id: str) -> RunRecord | None:
         found = self.rows(attempt_filter(run_id, attempt_id))

@@ -114,10 +114,8 @@ def published_run(tables: OutputTables, run_id: str | None = None) -> RunRecord:
 
     from kfed_spark.store.ledger import Ledger, newest, published_rows  # here: the estimator imports this module
 
-    if not (tables.check_log("centers") and tables.check_log("runs")):
-        found = []
-    else:
-        found = published_rows(Ledger(tables).rows(None if run_id is None else F.col("run_id") == F.lit(run_id)))
+    where = None if run_id is None else F.col("run_id") == F.lit(run_id)
+    found = published_rows(Ledger(tables).rows_if_any(where)) if tables.check_log("centers") else []
     row = newest(found) if run_id is None else next(iter(found), None)
     if row is None:
         if run_id is None:
