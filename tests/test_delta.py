@@ -155,6 +155,25 @@ def test_a_runs_row_reaches_spark_whole_and_without_a_python_task(spark, publish
     assert "LocalTableScan" in plan and "ExistingRDD" not in plan, plan
 
 
+def begun_attempts(spark, config, run_ids, schemas):
+    """A location's tables (schemas by name) and its ledger, with an attempt of each run id begun:
+    run id -> (attempt, row)."""
+    from kfed_spark.config import load_config
+    from kfed_spark.runs.job import attempt_row
+    from kfed_spark.store.ledger import Ledger, new_attempt_id
+
+    cfg = load_config(config)
+    tables = OutputTables(spark, cfg.output)
+    tables.prepare(schemas)
+    ledger = Ledger(tables)
+    started = datetime.now(timezone.utc)
+    return (
+        tables,
+        ledger,
+        {run_id: ledger.begin(attempt_row(cfg, run_id, new_attempt_id(started), None, started)) for run_id in run_ids},
+    )
+
+
 def test_a_named_published_run_is_found_from_its_run_ids_rows_alone(spark, config):
     """published_run with a run id (assign --model-run, describe --run, KFedModel.from_run) reads that run
     id's partitions of runs alone, as the publish does: another run id's rows are never opened, so that a
@@ -163,19 +182,13 @@ def test_a_named_published_run_is_found_from_its_run_ids_rows_alone(spark, confi
 
     from pyspark.sql.types import StructType
 
-    from kfed_spark.config import load_config
-    from kfed_spark.runs.job import attempt_row
-    from kfed_spark.store.ledger import Ledger, new_attempt_id
     from kfed_spark.store.models import published_run
     from kfed_spark.store.tables import ATTEMPT_FIELDS, CENTERS_FIELDS
 
-    cfg = load_config(config)
-    tables = OutputTables(spark, cfg.output)
-    tables.prepare({"runs": RUNS_SCHEMA, "centers": StructType(CENTERS_FIELDS + ATTEMPT_FIELDS)})
-    ledger = Ledger(tables)
-    started = datetime.now(timezone.utc)
-    for run_id in ("day1", "day2"):
-        ledger.publish(*ledger.begin(attempt_row(cfg, run_id, new_attempt_id(started), None, started)))
+    schemas = {"runs": RUNS_SCHEMA, "centers": StructType(CENTERS_FIELDS + ATTEMPT_FIELDS)}
+    tables, ledger, begun = begun_attempts(spark, config, ("day1", "day2"), schemas)
+    for attempt, row in begun.values():
+        ledger.publish(attempt, row)
     other = list((Path(tables.root) / "runs").glob("run_id=day1/**/*.parquet"))
     assert other
     for data in other:
@@ -186,19 +199,7 @@ def test_a_named_published_run_is_found_from_its_run_ids_rows_alone(spark, confi
 def test_a_publish_reads_back_its_run_ids_rows_alone(spark, config):
     """`runs` keeps a row per attempt the location ever ran, in a partition of its own: a publish reads back
     its run id's partitions alone, so that it takes as long on a location's thousandth run as on its first."""
-    from kfed_spark.config import load_config
-    from kfed_spark.runs.job import attempt_row
-    from kfed_spark.store.ledger import Ledger, new_attempt_id
-
-    cfg = load_config(config)
-    tables = OutputTables(spark, cfg.output)
-    tables.prepare({"runs": RUNS_SCHEMA})
-    ledger = Ledger(tables)
-    started = datetime.now(timezone.utc)
-    begun = {
-        run_id: ledger.begin(attempt_row(cfg, run_id, new_attempt_id(started), None, started))
-        for run_id in ("day1", "day2")
-    }
+    _, ledger, begun = begun_attempts(spark, config, ("day1", "day2"), {"runs": RUNS_SCHEMA})
     read_back = ledger.publish(*begun["day2"])
     assert [(row.run_id, row.attempt_id, row.status) for row in read_back] == [
         ("day2", begun["day2"][0].attempt_id, "succeeded")
