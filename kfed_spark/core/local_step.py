@@ -292,8 +292,8 @@ def _rough_rows(valid: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | sl
     size = int(padded_rows(np.array([max(ROUGH_ROWS, ROUGH_ROWS_PER_CENTER * k)]))[0])
     if valid.shape[1] <= size:  # padded_rows is monotone and keeps its own results: no device has more rows
         return slice(None)
-    rows = valid.sum(axis=1)
-    return np.arange(len(valid))[:, None], np.arange(size)[None, :] * rows[:, None] // size
+    sizes = valid.sum(axis=1)
+    return np.arange(len(valid))[:, None], np.arange(size)[None, :] * sizes[:, None] // size
 
 
 def _gram_projections(rows: np.ndarray, weights: np.ndarray, rank: int) -> np.ndarray:
