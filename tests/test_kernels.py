@@ -510,9 +510,10 @@ def test_nearest_device_center_uses_each_rows_own_device():
 
 
 def test_nearest_device_center_sums_the_same_device_by_device_as_row_by_row(monkeypatch):
-    """Rows of devices that hold many rows of a batch are multiplied device by device, others row by row
-    against a copy of their device's centers: the same floating-point sums, so a row's local center and
-    distance do not depend on which rows share its batch."""
+    """Rows of devices that hold many rows of a batch are multiplied device by device (a slice per run of one
+    device's rows where they arrive grouped, else gathered), others row by row against a copy of their
+    device's centers: the same floating-point sums, so a row's local center and distance do not depend on
+    which rows share its batch nor on their order."""
     rng = np.random.default_rng(10)
     device_centers = rng.normal(size=(30, 8, 32)) * 10.0
     valid = rng.random((30, 8)) < 0.9
@@ -520,11 +521,14 @@ def test_nearest_device_center_sums_the_same_device_by_device_as_row_by_row(monk
     slots = rng.permutation(np.repeat(np.arange(30), 200))  # devices of 200 rows each, in no order
     x = device_centers[slots, rng.integers(0, 8, len(slots))] + rng.normal(size=(len(slots), 32))
     center_sq = squared_norms(device_centers)
+    grouped = np.argsort(slots, kind="stable")
     by_device = nearest_device_center(x, slots, device_centers, valid, center_sq)
+    by_run = nearest_device_center(x[grouped], slots[grouped], device_centers, valid, center_sq)
     monkeypatch.setattr(labels_module, "ROWS_PER_DEVICE_PRODUCT", len(x) + 1)
     by_row = nearest_device_center(x, slots, device_centers, valid, center_sq)
-    np.testing.assert_array_equal(by_device[0], by_row[0])
-    np.testing.assert_array_equal(by_device[1], by_row[1])
+    for label_or_distance in (0, 1):
+        np.testing.assert_array_equal(by_device[label_or_distance], by_row[label_or_distance])
+        np.testing.assert_array_equal(by_run[label_or_distance], by_row[label_or_distance][grouped])
 
 
 def test_adjusted_rand_index_matches_scikit_learn():

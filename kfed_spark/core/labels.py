@@ -41,13 +41,19 @@ ROWS_PER_DEVICE_PRODUCT = 64
 
 def _products(x: np.ndarray, slots: np.ndarray, device_centers: np.ndarray) -> np.ndarray:
     """(n, k'): each row's dot product with each of its device's centers. Where devices hold many rows each,
-    a device's rows against its own centers at a time; else each row against a copy of its device's
-    centers (one copy per row costs less than a numpy call per device). The same sums either way."""
+    a device's rows against its own centers at a time (a slice of x per run of rows of one device, as rows
+    arrive grouped; else the device's rows gathered); else each row against a copy of its device's centers
+    (one copy per row costs less than a numpy call per device). The same sums every way."""
+    out = np.empty((len(x), device_centers.shape[1]))
+    runs = np.flatnonzero(slots[1:] != slots[:-1]) + 1
+    if len(x) >= ROWS_PER_DEVICE_PRODUCT * (len(runs) + 1):
+        for start, end in zip([0, *runs.tolist()], [*runs.tolist(), len(x)]):
+            np.einsum("ij,kj->ik", x[start:end], device_centers[slots[start]], out=out[start:end])
+        return out
     order = np.argsort(slots, kind="stable")
     bounds = np.flatnonzero(slots[order][1:] != slots[order][:-1]) + 1
     if len(x) < ROWS_PER_DEVICE_PRODUCT * (len(bounds) + 1):
         return np.einsum("ij,ikj->ik", x, device_centers[slots])
-    out = np.empty((len(x), device_centers.shape[1]))
     for rows in np.split(order, bounds):
         out[rows] = np.einsum("ij,kj->ik", x[rows], device_centers[slots[rows[0]]])
     return out
