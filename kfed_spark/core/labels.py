@@ -180,12 +180,12 @@ def assigned_with_margin(
     other = np.full(len(x), np.inf)
     x_sq = np.einsum("ij,ij->i", x, x)
     c_sq = np.einsum("ij,ij->i", centers, centers)
+    minus_twice = -2.0 * centers.T  # scaling by -2 is exact: the same sums as -2 (x @ c)
     step = max(1, DISTANCE_CHUNK_ELEMENTS // len(centers))
     for start in range(0, len(x), step):
         chunk = slice(start, start + step)
         # |c|^2 - 2 x.c orders the centers as the squared distance does; |x|^2 is added to the two kept only.
-        partial = x[chunk] @ centers.T
-        partial *= -2.0
+        partial = x[chunk] @ minus_twice
         partial += c_sq
         rows, pick = np.arange(len(partial)), cluster[chunk]  # a view: filling it fills cluster
         free = pick < 0

@@ -297,16 +297,17 @@ def nearest_center(x: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.n
 def nearest_with_norms(x: np.ndarray, x_sq: np.ndarray, centers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """nearest_center of rows x that are already near the origin, given their squared norms x_sq;
     centers may have a leading axis of restarts, (r, k, d), and so then do the results, (r, n)."""
-    transposed = np.swapaxes(centers, -1, -2)
+    minus_twice = -2.0 * np.swapaxes(centers, -1, -2)  # scaling by -2 is exact: the same sums as -2 (x @ c)
     c_sq = np.einsum("...kd,...kd->...k", centers, centers)[..., None, :]
     step = max(1, DISTANCE_CHUNK_ELEMENTS // max(1, centers.shape[-2] * (centers.shape[0] if centers.ndim == 3 else 1)))
     parts = []
     for start in range(0, max(1, len(x)), step):  # one (empty) chunk for no rows
         # |c|^2 - 2 x.c orders the centers as the squared distance does; |x|^2 is added to the winner only.
-        partial = x[start : start + step] @ transposed
-        partial *= -2.0
+        partial = x[start : start + step] @ minus_twice
         partial += c_sq
-        parts.append((np.argmin(partial, axis=-1), np.min(partial, axis=-1) + x_sq[start : start + step]))
+        nearest = np.argmin(partial, axis=-1)
+        best = np.take_along_axis(partial, nearest[..., None], axis=-1)[..., 0]
+        parts.append((nearest, best + x_sq[start : start + step]))
     if len(parts) == 1:
         nearest, best = parts[0]
     else:
