@@ -141,10 +141,12 @@ def test_device_with_few_distinct_rows_sends_them_with_multiplicities():
     np.testing.assert_array_equal(result.counts, [5, 3])
 
 
+@pytest.mark.parametrize("first_owner", [0, 1 << 16])
 @pytest.mark.parametrize("rows", ["continuous", "duplicated", "first_value_tied", "mostly_tied"])
-def test_distinct_rows_are_each_owners_np_unique(rows):
+def test_distinct_rows_are_each_owners_np_unique(rows, first_owner):
     """distinct_rows per owner is np.unique(axis=0, return_counts=True) whichever of its paths it takes:
-    no tie on (owner, first value), some ties (whole rows equal or not), or most rows tied."""
+    no tie on (owner, first value), some ties (whole rows equal or not), or most rows tied; owners that fit
+    16 bits (sorted by value, then radix-sorted by owner) or not (np.lexsort)."""
     rng = np.random.default_rng(4)
     x = rng.normal(size=(600, 3))
     if rows == "duplicated":
@@ -155,9 +157,9 @@ def test_distinct_rows_are_each_owners_np_unique(rows):
     elif rows == "mostly_tied":
         x[:, 0] = np.round(x[:, 0])
         x[::3] = x[1::3]
-    owner = rng.integers(0, 7, size=len(x))
+    owner = first_owner + rng.integers(0, 7, size=len(x))
     distinct, counts, owned = distinct_rows(x, owner)
-    for device in range(7):
+    for device in range(first_owner, first_owner + 7):
         expected, expected_counts = np.unique(x[owner == device], axis=0, return_counts=True)
         np.testing.assert_array_equal(distinct[owned == device], expected)
         np.testing.assert_array_equal(counts[owned == device], expected_counts)
