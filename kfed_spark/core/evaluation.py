@@ -60,7 +60,7 @@ class PartitionEvaluation:
     def __init__(self, spec: EvaluationSpec, origin: np.ndarray):
         self.spec = spec
         self.origin = origin
-        self.profiles: list[pd.DataFrame] = []
+        self.profiles: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self.cells: list[pd.Series] = []
         self.moments: list[pd.DataFrame] = []
         self.sample: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -93,7 +93,7 @@ class PartitionEvaluation:
         """The partition's figures as ASCII text (compressed, base64): Spark hands the driver an
         Observation's strings at C speed, its binary values a byte at a time through Python."""
         figures = (
-            _added(self.profiles),
+            pairs_added(self.profiles),
             _added(self.cells),
             _added(self.moments),
             tuple(np.concatenate(part) for part in zip(*self.sample)) if self.sample else None,
@@ -102,17 +102,26 @@ class PartitionEvaluation:
         return base64.b64encode(zlib.compress(pickle.dumps(figures, protocol=pickle.HIGHEST_PROTOCOL), 1)).decode()
 
 
-def pair_sums(devices: np.ndarray, cluster: np.ndarray, sq_dist: np.ndarray) -> pd.DataFrame:
-    """Rows (n_points) and their sum of squared distances (sum_sq_dist) per (device, cluster) pair, indexed
-    by the pair in no particular order: hash codes of the devices and of the pairs, then bincounts (a
-    groupby on two keys costs a batch several times more)."""
+def pair_sums(
+    devices: np.ndarray, cluster: np.ndarray, sq_dist: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows (n_points) and their sum of squared distances (sum_sq_dist) per (device, cluster) pair of a batch,
+    as arrays (devices, clusters, n_points, sum_sq_dist), the pairs in no particular order: hash codes of the
+    devices and of the pairs, then bincounts (a groupby on two keys costs a batch several times more)."""
     device_codes, device_ids = pd.factorize(devices)
     width = int(cluster.max()) + 1
     pair_codes, pairs = pd.factorize(device_codes * width + cluster)
-    return pd.DataFrame(
-        {"n_points": np.bincount(pair_codes), "sum_sq_dist": np.bincount(pair_codes, weights=sq_dist)},
-        index=pd.MultiIndex.from_arrays([device_ids[pairs // width], pairs % width]),
-    )
+    return device_ids[pairs // width], pairs % width, np.bincount(pair_codes), np.bincount(pair_codes, weights=sq_dist)
+
+
+def pairs_added(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> pd.DataFrame | None:
+    """Batches' pair_sums as one frame indexed by (device, cluster), each pair's added up; None if there are
+    none. The index is built once per partition, not per batch: it costs a batch more than its sums."""
+    if not parts:
+        return None
+    devices, clusters, n_points, sums = (np.concatenate(column) for column in zip(*parts))
+    index = pd.MultiIndex.from_arrays([devices, clusters])
+    return pd.DataFrame({"n_points": n_points, "sum_sq_dist": sums}, index=index).groupby(level=[0, 1]).sum()
 
 
 def _added(parts: list):
