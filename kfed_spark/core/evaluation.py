@@ -60,7 +60,7 @@ class PartitionEvaluation:
     def __init__(self, spec: EvaluationSpec, origin: np.ndarray):
         self.spec = spec
         self.origin = origin
-        self.profiles: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.device_clusters: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self.cells: list[pd.Series] = []
         self.moments: list[pd.DataFrame] = []
         self.sample: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -72,7 +72,7 @@ class PartitionEvaluation:
         """Labelled rows: their devices, truth values (None without a truth column), features, clusters
         and squared distances to their global centers."""
         if len(x):
-            self.profiles.append(pair_sums(devices, cluster, sq_dist))
+            self.device_clusters.append(pair_sums(devices, cluster, sq_dist))
             if self.spec.profiles:
                 self.cluster_moments.append(ClusterMoments.of(x, cluster))
         if self.spec.sample_below:
@@ -93,7 +93,7 @@ class PartitionEvaluation:
         """The partition's figures as ASCII text (compressed, base64): Spark hands the driver an
         Observation's strings at C speed, its binary values a byte at a time through Python."""
         figures = (
-            pairs_added(self.profiles),
+            pairs_added(self.device_clusters),
             _added(self.cells),
             _added(self.moments),
             tuple(np.concatenate(part) for part in zip(*self.sample)) if self.sample else None,
