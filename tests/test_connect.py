@@ -215,3 +215,30 @@ def test_estimator_over_connect_fits_transforms_saves_and_loads(spark, tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout) == expected
+
+
+SESSION_SIZES_OVER_CONNECT = """
+import json, sys
+from kfed_spark.config import SparkConfig
+from kfed_spark.spark.session import build_session
+
+session = build_session(SparkConfig(remote=sys.argv[1], conf=json.loads(sys.argv[2])))
+keys = ("spark.sql.shuffle.partitions", "spark.databricks.delta.snapshotPartitions")
+print(json.dumps([session.conf.get(key) for key in keys]))
+"""
+
+
+def test_a_run_on_a_local_mode_server_sizes_its_session_partitions_to_the_servers_cores(connect_url):
+    """The server runs Spark in local[2] with 2 shuffle partitions: a run's session there takes a local run's
+    partition counts for 2 cores (3 shuffle partitions a core, a Delta snapshot partition a core); a config
+    that sets one keeps it."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYSPARK")}
+
+    def sizes(conf: dict) -> list[str]:
+        client = [sys.executable, "-c", SESSION_SIZES_OVER_CONNECT, connect_url, json.dumps(conf)]
+        result = subprocess.run(client, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.splitlines()[-1])
+
+    assert sizes({}) == ["6", "2"]
+    assert sizes({"spark.sql.shuffle.partitions": "5"}) == ["5", "2"]

@@ -172,7 +172,7 @@ def test_a_local_spark_gets_partition_counts_sized_to_its_cores(monkeypatch):
     """Three shuffle partitions and one Delta snapshot partition per core of a local Spark that the job starts;
     nothing for a Spark it does not start itself."""
     from kfed_spark.config import SparkConfig
-    from kfed_spark.spark.session import local_sizes
+    from kfed_spark.spark.session import local_sizes, master_cores
 
     for name in ("MASTER", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
         monkeypatch.delenv(name, raising=False)
@@ -190,7 +190,11 @@ def test_a_local_spark_gets_partition_counts_sized_to_its_cores(monkeypatch):
     assert sizes("local[64]") == {SHUFFLE_PARTITIONS: "192", SNAPSHOT_PARTITIONS: "50"}  # never above Delta's own
     for master in ("spark://127.0.0.1:7077", "yarn", "k8s://https://127.0.0.1:6443", "local-cluster[2,1,1024]"):
         assert sizes(master) == {}, master
-    assert sizes(remote="sc://127.0.0.1:15002") == {}
+    assert sizes(remote="sc://127.0.0.1:15002") == {}  # the server's master decides (server_local_cores)
+    assert master_cores("local[*]", this_machine=False) is None  # a server's CPUs elsewhere are unknown
+    assert master_cores("local[*]", this_machine=True) == cores
+    assert master_cores("local[2,3]", this_machine=False) == 2
+    assert master_cores("spark://10.0.0.1:7077", this_machine=True) is None
     monkeypatch.setenv("MASTER", "local[5]")
     assert sizes()[SHUFFLE_PARTITIONS] == "15"
     monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # under spark-submit: its own settings stand

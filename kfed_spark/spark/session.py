@@ -17,7 +17,7 @@ from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 from kfed_spark.config import SparkConfig
-from kfed_spark.errors import KFedError, UnreachableError
+from kfed_spark.errors import KFedError, UnreachableError, first_line
 from kfed_spark.runtime.packaging import delta_package
 from kfed_spark.runtime.stopping import remember_session
 
@@ -61,6 +61,8 @@ DELTA_SNAPSHOT_PARTITIONS = 50
 LOCAL_MASTER = re.compile(r"local(?:\[(\*|\d+)(?:,\d+)?\])?")
 """local, local[N], local[*] and their forms with a number of task retries (local[N,F])."""
 DEFAULT_CONNECT_PORT = 15002
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+"""Hosts of a Spark Connect URL that name this machine."""
 DELTA_JARS_ENV = "KFED_DELTA_JARS"
 """Comma-separated local Delta jars, for machines that cannot resolve packages from Maven."""
 JVM_ARCHIVE_ENV = "KFED_JVM_ARCHIVE"
@@ -108,7 +110,12 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
             log.debug("over Spark Connect the server decides %s: not sent", server_side)
         for key, value in sent.items():
             builder = builder.config(key, conf_value(value))
-        return _remembered(builder.remote(remote).getOrCreate())
+        session = builder.remote(remote).getOrCreate()
+        cores = server_local_cores(session, remote)
+        for key, value in ({} if cores is None else partition_sizes(cores)).items():
+            if key not in spark_cfg.conf:
+                session.conf.set(key, value)
+        return _remembered(session)
     if spark_cfg.master:
         builder = builder.master(spark_cfg.master)
     if is_local(spark_cfg) and "PYSPARK_PYTHON" not in os.environ:
@@ -346,20 +353,45 @@ def local_cores(spark_cfg: SparkConfig) -> int | None:
     Spark Connect's, local-cluster)."""
     if not is_local(spark_cfg):
         return None
-    found = LOCAL_MASTER.fullmatch(spark_cfg.master or os.environ.get("MASTER") or "local[*]")
+    return master_cores(spark_cfg.master or os.environ.get("MASTER") or "local[*]", this_machine=True)
+
+
+def server_local_cores(session: SparkSession, remote: str) -> int | None:
+    """The cores of a Spark Connect server that runs Spark in local mode, as its master says: N of local[N],
+    1 of local, and for local[*] this machine's CPUs where the server listens on this machine (else its CPUs
+    are unknown); None for a cluster's master, or a server that does not tell its master."""
+    try:
+        master = session.conf.get("spark.master", None)
+    except Exception as exc:  # a managed server may refuse to tell: its sizes are then its own
+        log.debug("the Spark Connect server does not tell its master: %s", first_line(exc))
+        return None
+    host = urlparse(remote.replace("sc://", "http://", 1)).hostname
+    return master_cores(master or "", this_machine=host in LOOPBACK_HOSTS)
+
+
+def master_cores(master: str, this_machine: bool) -> int | None:
+    """The cores of a local master (local, local[N], local[*], with or without task retries); local[*]'s
+    only where its JVM runs on this machine (this_machine): this process's CPUs. None otherwise."""
+    found = LOCAL_MASTER.fullmatch(master)
     if found is None:
         return None
     cores = found.group(1)
-    return 1 if cores is None else len(os.sched_getaffinity(0)) if cores == "*" else int(cores)
+    if cores == "*":
+        return len(os.sched_getaffinity(0)) if this_machine else None
+    return 1 if cores is None else int(cores)
 
 
 def local_sizes(spark_cfg: SparkConfig) -> dict[str, str]:
-    """Partition counts for a local Spark, sized to its cores (a config's own settings win). Spark's 200
-    shuffle partitions and Delta's 50 snapshot partitions are sized for clusters: on one machine most of
-    those tasks cost more than their work, and nearly halve a small run's speed."""
+    """Partition counts for the local Spark that spark_cfg starts, sized to its cores (partition_sizes)."""
     cores = local_cores(spark_cfg)
-    if cores is None:
-        return {}
+    return {} if cores is None else partition_sizes(cores)
+
+
+def partition_sizes(cores: int) -> dict[str, str]:
+    """Partition counts for a Spark in local mode on `cores` cores, under a config's own settings. Spark's 200
+    shuffle partitions and Delta's 50 snapshot partitions are sized for clusters: on one machine most of
+    those tasks cost more than their work, and nearly halve a small run's speed. A Spark Connect server in
+    local mode gets them too: each is a setting of the run's own session there, not of the server."""
     return {
         "spark.sql.shuffle.partitions": str(TASKS_PER_LOCAL_CORE * cores),
         "spark.databricks.delta.snapshotPartitions": str(min(cores, DELTA_SNAPSHOT_PARTITIONS)),
