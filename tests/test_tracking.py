@@ -108,7 +108,7 @@ def test_a_published_attempt_is_logged_with_its_figures_report_and_model(
     assert len(profiles) == MIXTURE["k"] * MIXTURE["dim"] and set(profiles.feature) == {f"f{j}" for j in range(8)}
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)  # where runs:/ URIs are looked up
-    model = mlflow.pyfunc.load_model(f"runs:/{row.mlflow_run_id}/model")
+    model = mlflow.pyfunc.load_model(f"runs:/{row.mlflow_run_id}/model", dst_path=str(tmp_path))  # not into /tmp
     assert model.metadata.get_input_schema().input_names() == ["device_id", "features"]
     labels = published(spark, out, "labels").orderBy("row_id").limit(300).toPandas()
     rows = pd.DataFrame({"device_id": labels.device_id, "features": labels.features.map(np.asarray)})
@@ -138,7 +138,7 @@ def test_an_experiment_that_tracking_creates_keeps_its_artifacts_where_the_table
     for key, value in s3.storage_options.items():  # MLflow reads S3 with boto3, which takes the AWS_* variables
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)
-    model = mlflow.pyfunc.load_model(f"runs:/{row['mlflow_run_id']}/model")
+    model = mlflow.pyfunc.load_model(f"runs:/{row['mlflow_run_id']}/model", dst_path=str(tmp_path))
     labels = duckdb_published(out, "labels", s3.storage_options).sort_by("row_id").slice(0, 300).to_pandas()
     rows = pd.DataFrame({"device_id": labels.device_id, "features": labels.features.map(np.asarray)})
     assert list(model.predict(rows)) == list(labels.cluster_id)
