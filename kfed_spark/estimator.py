@@ -83,9 +83,9 @@ class KFed(Estimator["KFedModel"], GeneratedSetters, _KFedParams, MLReadable["KF
     >>> KFed(k="auto", kRange=[2, 5], kPerDevice=2, seed=1).fit(df).getK()  # k from the local centers
     3
     >>> import tempfile
-    >>> path = f"{tempfile.mkdtemp()}/model"
-    >>> model.write().overwrite().save(path)
-    >>> loaded = KFedModel.load(path)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     model.write().overwrite().save(f"{folder}/model")
+    ...     loaded = KFedModel.load(f"{folder}/model")
     >>> all(np.array_equal(a, b) for a, b in zip(loaded.clusterCenters(), model.clusterCenters()))
     True
     >>> loaded.transform(df).select("prediction").distinct().count()
