@@ -112,9 +112,10 @@ def build_session(spark_cfg: SparkConfig, paths: Sequence[str] = ()) -> SparkSes
             builder = builder.config(key, conf_value(value))
         session = builder.remote(remote).getOrCreate()
         cores = server_local_cores(session, remote)
-        for key, value in ({} if cores is None else partition_sizes(cores)).items():
-            if key not in spark_cfg.conf:
-                session.conf.set(key, value)
+        if cores is not None:
+            for key, value in partition_sizes(cores).items():
+                if key not in spark_cfg.conf:
+                    session.conf.set(key, value)
         return _remembered(session)
     if spark_cfg.master:
         builder = builder.master(spark_cfg.master)
@@ -324,11 +325,16 @@ def conf_value(value) -> str:
 def check_reachable(remote: str, timeout: float = 10.0) -> None:
     """Fail in one line when nothing listens at the Connect URL: the client would otherwise retry for
     minutes before giving up."""
-    parsed = urlparse(remote.replace("sc://", "http://", 1))
     try:
-        socket.create_connection((parsed.hostname, parsed.port or DEFAULT_CONNECT_PORT), timeout=timeout).close()
+        socket.create_connection(connect_address(remote), timeout=timeout).close()
     except OSError as exc:
         raise UnreachableError(f"cannot reach the Spark Connect server at {remote}: {exc.strerror or exc}") from None
+
+
+def connect_address(remote: str) -> tuple[str | None, int]:
+    """The host and port of a Spark Connect URL (sc://host:port/;params); Spark Connect's port by default."""
+    parsed = urlparse(remote.replace("sc://", "http://", 1))
+    return parsed.hostname, parsed.port or DEFAULT_CONNECT_PORT
 
 
 def connect_url(spark_cfg: SparkConfig) -> str | None:
@@ -365,7 +371,7 @@ def server_local_cores(session: SparkSession, remote: str) -> int | None:
     except Exception as exc:  # a managed server may refuse to tell: its sizes are then its own
         log.debug("the Spark Connect server does not tell its master: %s", first_line(exc))
         return None
-    host = urlparse(remote.replace("sc://", "http://", 1)).hostname
+    host, _ = connect_address(remote)
     return master_cores(master or "", this_machine=host in LOOPBACK_HOSTS)
 
 
