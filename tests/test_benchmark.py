@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kfed_spark.bench.benchmark import ONE_RESTART, benchmark, run_mllib
+from kfed_spark.bench.benchmark import ONE_RESTART, SPARK_JVM, benchmark, run_mllib
 from kfed_spark.bench.processes import KFED, MLLIB, PASSES, SWEEP
 from kfed_spark.bench.synthetic import write_mixture
 
@@ -88,6 +88,10 @@ def test_the_fresh_process_benchmark_times_each_contender_as_its_own_process(tmp
         )
     assert kfed["ari"] > 0.95 and mllib["ari"] > 0.5 and passes["cost"] is None
     assert kfed["peak_memory_mb"]["largest python worker"] > 0  # the sampler sees the job's workers
+    for run in fresh["runs"]:  # the sampler sees each process's CPU time, by role
+        assert run["cpu_seconds"]["python driver"] > 0 and run["cpu_seconds"][SPARK_JVM] > 1
+    assert kfed["cpu_seconds"]["python workers"] > 0
+    assert "| CPU s: driver, JVM, workers |" in (tmp_path / "bench" / "benchmark.md").read_text()
     assert set(fresh["ratios"]) == {
         "MLlib / k-FED, wall time",
         "k-FED / Spark's bare passes, wall time",

@@ -334,29 +334,45 @@ def peak_memory_mb() -> dict[str, float]:
 
 
 def memory_roles(pids: set[int], driver_pid: int) -> dict[str, float]:
-    """The largest peak resident memory (VmHWM, MB) among pids of each role: the Python driver (driver_pid),
-    the Spark JVM (driver and executors in local mode) and Python workers; other processes are left out."""
+    """The largest peak resident memory (VmHWM, MB) among pids of each role (process_role): the Python driver,
+    the Spark JVM and the largest Python worker; other processes are left out."""
     peaks: dict[str, float] = {}
     for pid in pids:
         try:
             status = Path(f"/proc/{pid}/status").read_text()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
+        role = process_role(pid, driver_pid)
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if "VmHWM" not in fields:
+        if role is None or "VmHWM" not in fields:
             continue
-        megabytes = int(fields["VmHWM"].split()[0]) / 1024
-        if pid == driver_pid:
-            role = "python driver"
-        elif "java" in fields.get("Name", "") and "pyspark" in cmdline:
-            role = "spark JVM (driver and executors in local mode)"
-        elif "pyspark.daemon" in cmdline or "pyspark.worker" in cmdline:
-            role = "largest python worker"
-        else:
-            continue
-        peaks[role] = max(peaks.get(role, 0.0), megabytes)
+        label = "largest python worker" if role == PYTHON_WORKER else role
+        peaks[label] = max(peaks.get(label, 0.0), int(fields["VmHWM"].split()[0]) / 1024)
     return peaks
+
+
+PYTHON_DRIVER, SPARK_JVM, PYTHON_WORKER = (
+    "python driver",
+    "spark JVM (driver and executors in local mode)",
+    "python workers",
+)
+
+
+def process_role(pid: int, driver_pid: int) -> str | None:
+    """What a process of a run's tree is: the Python driver (driver_pid), the Spark JVM (driver and executors
+    in local mode), a Python worker, or None for anything else (a shell, or a process already gone)."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    if pid == driver_pid:
+        return PYTHON_DRIVER
+    if name == "java" and "pyspark" in cmdline:
+        return SPARK_JVM
+    if "pyspark.daemon" in cmdline or "pyspark.worker" in cmdline:
+        return PYTHON_WORKER
+    return None
 
 
 def warm_up(spark, data: str, out: Path, k: int, k_per_device: int, seed: int) -> None:

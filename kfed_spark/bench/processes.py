@@ -6,12 +6,13 @@ start, the Python workers' start and imports, and a cold JIT. The contenders, on
 `kfed-spark choose-k` sweeping k over that run's local centers, MLlib KMeans fit + transform + Delta
 write (kfed_spark.bench.contenders), and Spark's bare passes of
 k-FED's shape with no clustering in them (the same). Each is timed from its start to its exit, with the
-stages it reports and its process tree's peak resident memory.
+stages it reports, and its process tree's peak resident memory and CPU time by role.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,15 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import yaml
 
-from kfed_spark.bench.benchmark import BENCH_SPARK_CONF, memory_roles, planted
+from kfed_spark.bench.benchmark import (
+    BENCH_SPARK_CONF,
+    PYTHON_DRIVER,
+    PYTHON_WORKER,
+    SPARK_JVM,
+    memory_roles,
+    planted,
+    process_role,
+)
 from kfed_spark.bench.contenders import MLLIB_LABELS
 from kfed_spark.core.metrics import adjusted_rand_index
 from kfed_spark.errors import KFedError
@@ -49,6 +58,8 @@ class ProcessRun:
     """Wall time of the process, from its start to its exit."""
     stages: dict[str, float]
     peak_memory_mb: dict[str, float]
+    cpu_seconds: dict[str, float]
+    """User + system CPU time of the process tree by role (CPU_ROLES), as last sampled."""
     cost: float | None = None
     ari: float | None = None
 
@@ -73,14 +84,15 @@ class FreshReport:
             f"clusters per device; each contender a fresh process, one run each; `{self.command}`",
             "",
             "| contender (fresh process) | seconds | k-means cost | cost / planted | ARI vs planted "
-            "| peak memory MB: driver, JVM, largest worker |",
-            "| --- | ---: | ---: | ---: | ---: | --- |",
+            "| peak memory MB: driver, JVM, largest worker | CPU s: driver, JVM, workers |",
+            "| --- | ---: | ---: | ---: | ---: | --- | --- |",
         ]
         for run in self.runs:
             memory = ", ".join(f"{run.peak_memory_mb.get(role, 0):,.0f}" for role in ROLES)
+            cpu = ", ".join(f"{run.cpu_seconds.get(role, 0):,.1f}" for role in CPU_ROLES)
             cost = "" if run.cost is None else f"{run.cost:.6g} | {run.cost / self.planted_cost:.4f}"
             ari = "" if run.ari is None else f"{run.ari:.4f}"
-            lines.append(f"| {run.name} | {run.seconds:.2f} | {cost or ' | '} | {ari} | {memory} |")
+            lines.append(f"| {run.name} | {run.seconds:.2f} | {cost or ' | '} | {ari} | {memory} | {cpu} |")
         lines += ["", "| ratio (fresh processes) | value |", "| --- | ---: |"]
         lines += [f"| {name} | {value:.2f} |" for name, value in self.ratios.items()]
         for run in self.runs:
@@ -89,29 +101,55 @@ class FreshReport:
         return "\n".join(lines).rstrip() + "\n"
 
 
-ROLES = ("python driver", "spark JVM (driver and executors in local mode)", "largest python worker")
+ROLES = (PYTHON_DRIVER, SPARK_JVM, "largest python worker")
+CPU_ROLES = (PYTHON_DRIVER, SPARK_JVM, PYTHON_WORKER)
 
 
-class PeakMemory(threading.Thread):
-    """Samples the peak resident memory (VmHWM) of a process and all its descendants every `interval`
-    seconds until stopped, by role (memory_roles). A high-water mark: a sample shortly before a
-    process exits holds its peak."""
+class ProcessTreeSampler(threading.Thread):
+    """Samples a process and all its descendants every `interval` seconds until stopped, by role
+    (benchmark.process_role): the peak resident memory (VmHWM, the largest process of a role) and the CPU
+    time (user + system, summed over a role's processes). Both as last sampled: a peak shortly before a
+    process exits is held, but not the CPU of its last interval, nor that of a process that lived less."""
 
     def __init__(self, pid: int, interval: float = 0.25):
         super().__init__(daemon=True)
         self.pid, self.interval = pid, interval
         self.peaks: dict[str, float] = {}
+        self.cpu: dict[int, tuple[str, float]] = {}
+        """pid -> (its role, its CPU seconds when last sampled)."""
         self.finished = threading.Event()
 
     def run(self) -> None:
         while not self.finished.wait(self.interval):
-            for role, megabytes in memory_roles(descendants(self.pid), self.pid).items():
+            tree = descendants(self.pid)
+            for role, megabytes in memory_roles(tree, self.pid).items():
                 self.peaks[role] = max(self.peaks.get(role, 0.0), megabytes)
+            for pid in tree:
+                role = self.cpu[pid][0] if pid in self.cpu else process_role(pid, self.pid)
+                seconds = cpu_seconds(pid)
+                if role is not None and seconds is not None:
+                    self.cpu[pid] = role, seconds
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(peak memory MB, CPU seconds), each by role."""
         self.finished.set()
         self.join()
-        return self.peaks
+        cpu: dict[str, float] = {}
+        for role, seconds in self.cpu.values():
+            cpu[role] = cpu.get(role, 0.0) + seconds
+        return self.peaks, cpu
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """A process's user + system CPU time so far (/proc/pid/stat), None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def descendants(root: int) -> set[int]:
@@ -131,20 +169,20 @@ def descendants(root: int) -> set[int]:
     return found
 
 
-def timed_process(name: str, argv: list[str], log_path: Path) -> tuple[float, str, dict[str, float]]:
-    """Run argv to its exit: (wall seconds, its stdout, its process tree's peak memory); its stderr goes
-    to log_path. A failure raises, naming the log."""
+def timed_process(name: str, argv: list[str], log_path: Path) -> tuple[float, str, dict[str, float], dict[str, float]]:
+    """Run argv to its exit: (wall seconds, its stdout, its process tree's peak memory and CPU seconds by role);
+    its stderr goes to log_path. A failure raises, naming the log."""
     with open(log_path, "w") as log:
         start = time.perf_counter()
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
-        sampler = PeakMemory(process.pid)
+        sampler = ProcessTreeSampler(process.pid)
         sampler.start()
         stdout, _ = process.communicate()
         seconds = time.perf_counter() - start
-    peaks = sampler.stop()
+    peaks, cpu = sampler.stop()
     if process.returncode != 0:
         raise KFedError(f"the benchmark's {name} process failed (exit {process.returncode}); its log: {log_path}")
-    return seconds, stdout, peaks
+    return seconds, stdout, peaks, cpu
 
 
 def kfed_command() -> list[str]:
@@ -199,7 +237,7 @@ class FreshSetup:
     common: list[str]  # the contenders' shared arguments
     truth_by_row: np.ndarray
 
-    def timed(self, name: str, command: list[str], log: str) -> tuple[float, str, dict[str, float]]:
+    def timed(self, name: str, command: list[str], log: str) -> tuple[float, str, dict[str, float], dict[str, float]]:
         return timed_process(name, command, self.out / "logs" / log)
 
 
@@ -252,36 +290,38 @@ def time_kfed(setup: FreshSetup) -> tuple[ProcessRun, dict]:
     run_id = f"bench-{time.strftime('%Y%m%dT%H%M%S')}"
     read_into_file_cache(setup.data)
     command = [*setup.kfed, "run", "--config", str(setup.configs["timed"]), "--set", f"run_id={run_id}", "--json"]
-    seconds, stdout, peaks = setup.timed("k-FED", command, "kfed.log")
+    seconds, stdout, peaks, cpu = setup.timed("k-FED", command, "kfed.log")
     result = last_json_line(stdout)
     stages = with_rest(result["timings"], seconds, "process start, imports and exit")
     labels = setup.location / "labels" / f"run_id={run_id}" / f"attempt_id={result['attempt_id']}"
-    return ProcessRun(KFED, seconds, stages, peaks, result["cost"], ari_against(setup.truth_by_row, labels)), result
+    ari = ari_against(setup.truth_by_row, labels)
+    return ProcessRun(KFED, seconds, stages, peaks, cpu, result["cost"], ari), result
 
 
 def time_sweep(setup: FreshSetup, result: dict) -> tuple[ProcessRun, dict, int]:
     """`kfed-spark choose-k` over the k-FED run's local centers; its JSON and the top k swept."""
     top = min(SWEEP_KS[1], result["n_local_centers"])
     command = [*setup.kfed, "choose-k", "--output", str(setup.location), "--run", result["run_id"]]
-    seconds, stdout, peaks = setup.timed("k sweep", [*command, "--k", f"{SWEEP_KS[0]}:{top}", "--json"], "choose-k.log")
+    command += ["--k", f"{SWEEP_KS[0]}:{top}", "--json"]
+    seconds, stdout, peaks, cpu = setup.timed("k sweep", command, "choose-k.log")
     swept = last_json_line(stdout)
     sweep_seconds = sum(f["seconds"] for f in swept["figures"])
     stages = {
         "server steps and figures": round(sweep_seconds, 3),
         "process start, reading the run, report files and exit": round(seconds - sweep_seconds, 3),
     }
-    return ProcessRun(f"{SWEEP}, k = {SWEEP_KS[0]}..{top}", seconds, stages, peaks), swept, top
+    return ProcessRun(f"{SWEEP}, k = {SWEEP_KS[0]}..{top}", seconds, stages, peaks, cpu), swept, top
 
 
 def time_contender(setup: FreshSetup, name: str, role: str, labels: Path | None = None) -> ProcessRun:
     """One of the contenders' own processes (MLlib, the bare passes), the input read into the file cache first."""
     read_into_file_cache(setup.data)
-    seconds, stdout, peaks = setup.timed(name, [*setup.contender, role, *setup.common], f"{role}.log")
+    seconds, stdout, peaks, cpu = setup.timed(name, [*setup.contender, role, *setup.common], f"{role}.log")
     figures = last_json_line(stdout)
     stages = with_rest(figures["stages"], seconds, "process start, imports and exit")
     if labels is None:
-        return ProcessRun(PASSES, seconds, stages, peaks)
-    return ProcessRun(MLLIB, seconds, stages, peaks, figures["cost"], ari_against(setup.truth_by_row, labels))
+        return ProcessRun(PASSES, seconds, stages, peaks, cpu)
+    return ProcessRun(MLLIB, seconds, stages, peaks, cpu, figures["cost"], ari_against(setup.truth_by_row, labels))
 
 
 def benchmark_fresh(
@@ -310,7 +350,8 @@ def benchmark_fresh(
     }
     notes = [
         f"Each process was started by this benchmark ({sys.executable}), one after the other, after reading the "
-        "input once into the file cache; peak memory is sampled every 0.25 s over the process tree."
+        "input once into the file cache; peak memory and CPU time are sampled every 0.25 s over the process tree "
+        "(CPU time as last sampled: a lower bound, short of each process's last quarter second)."
     ]
     runs = [kfed_run, mllib_run, passes_run]
     if sweeps:
