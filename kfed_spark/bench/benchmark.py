@@ -334,21 +334,29 @@ def peak_memory_mb() -> dict[str, float]:
 
 
 def memory_roles(pids: set[int], driver_pid: int) -> dict[str, float]:
-    """The largest peak resident memory (VmHWM, MB) among pids of each role (process_role): the Python driver,
-    the Spark JVM and the largest Python worker; other processes are left out."""
+    """The largest peak resident memory (MB) among pids of each role (process_role), under memory_label:
+    the Python driver, the Spark JVM and the largest Python worker; other processes are left out."""
     peaks: dict[str, float] = {}
     for pid in pids:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        role = process_role(pid, driver_pid)
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if role is None or "VmHWM" not in fields:
-            continue
-        label = "largest python worker" if role == PYTHON_WORKER else role
-        peaks[label] = max(peaks.get(label, 0.0), int(fields["VmHWM"].split()[0]) / 1024)
+        role, megabytes = process_role(pid, driver_pid), peak_resident_mb(pid)
+        if role is not None and megabytes is not None:
+            peaks[memory_label(role)] = max(peaks.get(memory_label(role), 0.0), megabytes)
     return peaks
+
+
+def peak_resident_mb(pid: int) -> float | None:
+    """A process's peak resident memory so far (VmHWM, MB), None once it is gone or for a kernel thread."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = [line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")]
+    return int(found[0]) / 1024 if found else None
+
+
+def memory_label(role: str) -> str:
+    """A role's name in the peak-memory figures: a role's largest process, so the workers' is the largest one."""
+    return "largest python worker" if role == PYTHON_WORKER else role
 
 
 PYTHON_DRIVER, SPARK_JVM, PYTHON_WORKER = (

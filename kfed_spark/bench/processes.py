@@ -31,7 +31,8 @@ from kfed_spark.bench.benchmark import (
     PYTHON_DRIVER,
     PYTHON_WORKER,
     SPARK_JVM,
-    memory_roles,
+    memory_label,
+    peak_resident_mb,
     planted,
     process_role,
 )
@@ -59,7 +60,7 @@ class ProcessRun:
     stages: dict[str, float]
     peak_memory_mb: dict[str, float]
     cpu_seconds: dict[str, float]
-    """User + system CPU time of the process tree by role (CPU_ROLES), as last sampled."""
+    """User + system CPU time of the process tree by role (ROLES), as last sampled."""
     cost: float | None = None
     ari: float | None = None
 
@@ -88,8 +89,8 @@ class FreshReport:
             "| --- | ---: | ---: | ---: | ---: | --- | --- |",
         ]
         for run in self.runs:
-            memory = ", ".join(f"{run.peak_memory_mb.get(role, 0):,.0f}" for role in ROLES)
-            cpu = ", ".join(f"{run.cpu_seconds.get(role, 0):,.1f}" for role in CPU_ROLES)
+            memory = ", ".join(f"{run.peak_memory_mb.get(memory_label(role), 0):,.0f}" for role in ROLES)
+            cpu = ", ".join(f"{run.cpu_seconds.get(role, 0):,.1f}" for role in ROLES)
             cost = "" if run.cost is None else f"{run.cost:.6g} | {run.cost / self.planted_cost:.4f}"
             ari = "" if run.ari is None else f"{run.ari:.4f}"
             lines.append(f"| {run.name} | {run.seconds:.2f} | {cost or ' | '} | {ari} | {memory} | {cpu} |")
@@ -101,8 +102,8 @@ class FreshReport:
         return "\n".join(lines).rstrip() + "\n"
 
 
-ROLES = (PYTHON_DRIVER, SPARK_JVM, "largest python worker")
-CPU_ROLES = (PYTHON_DRIVER, SPARK_JVM, PYTHON_WORKER)
+ROLES = (PYTHON_DRIVER, SPARK_JVM, PYTHON_WORKER)
+"""The roles of a contender's processes (benchmark.process_role), in the table's order."""
 
 
 class ProcessTreeSampler(threading.Thread):
@@ -121,14 +122,13 @@ class ProcessTreeSampler(threading.Thread):
 
     def run(self) -> None:
         while not self.finished.wait(self.interval):
-            tree = descendants(self.pid)
-            for role, megabytes in memory_roles(tree, self.pid).items():
-                self.peaks[role] = max(self.peaks.get(role, 0.0), megabytes)
-            for pid in tree:
-                role = self.cpu[pid][0] if pid in self.cpu else process_role(pid, self.pid)
-                seconds = cpu_seconds(pid)
-                if role is not None and seconds is not None:
-                    self.cpu[pid] = role, seconds
+            for pid in descendants(self.pid):
+                role, megabytes, seconds = process_role(pid, self.pid), peak_resident_mb(pid), cpu_seconds(pid)
+                if role is None or megabytes is None or seconds is None:
+                    continue
+                label = memory_label(role)
+                self.peaks[label] = max(self.peaks.get(label, 0.0), megabytes)
+                self.cpu[pid] = role, seconds
 
     def stop(self) -> tuple[dict[str, float], dict[str, float]]:
         """(peak memory MB, CPU seconds), each by role."""
