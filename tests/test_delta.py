@@ -9,8 +9,10 @@ import pytest
 from deltalake import DeltaTable
 
 from helpers import MIXTURE, assert_commented, labels_of, published, refused, run_cli, runs_of
+from kfed_spark.config import OutputConfig
 from kfed_spark.params import DEFAULTS
 from kfed_spark.store.delta import rows_frame
+from kfed_spark.store.ledger import Ledger
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import RUNS_SCHEMA, TABLES, RunRecord
 
@@ -205,3 +207,33 @@ def test_a_publish_reads_back_its_run_ids_rows_alone(spark, config):
         ("day2", begun["day2"][0].attempt_id, "succeeded")
     ]
     assert sorted((row.run_id, row.status) for row in ledger.rows()) == [("day1", "running"), ("day2", "succeeded")]
+
+
+def test_the_few_row_tables_read_without_spark_are_what_spark_reads(spark, config, published_run):
+    """TableStore.read_few reads runs and an attempt's model with delta-rs on a local path (a fresh JVM's first
+    Delta read costs seconds): the same rows, values and Arrow types as Spark's collect() and toArrow(), down to
+    a runs row's map, its k sweep's structs and its naive datetimes."""
+    from pyspark.sql import functions as F
+
+    from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
+
+    _, ledger, begun = begun_attempts(spark, config, ("day1",), {"runs": RUNS_SCHEMA})
+    _, row = begun["day1"]
+    ledger.write(row.changed(k_sweep=[(2, 1.0, 2.0, 0.5, None, 0.25)], k_range=[2, 3], timings={"validate": 1.5}))
+    assert ledger.tables.local_path("runs") is not None  # delta-rs reads it
+    by_spark = [RunRecord.of(r.asDict()) for r in ledger.tables.read("runs").collect()]
+    assert ledger.rows() == by_spark
+    assert ledger.rows("day1", row.attempt_id) == by_spark
+    assert ledger.rows("day2") == []
+
+    tables = OutputTables(spark, OutputConfig(path=str(published_run[1])))
+    (published,) = Ledger(tables).rows()
+    models = {"centers": (["cluster_id", "center"], ["cluster_id"]), "local_centers": (LOCAL_CENTER_COLUMNS, [])}
+    for name, (columns, order) in models.items():
+        order = [(column, "ascending") for column in order or ["device_id", "local_cluster_id"]]
+        attempt = (F.col("run_id") == published.run_id) & (F.col("attempt_id") == published.attempt_id)
+        expected = tables.read(name).filter(attempt).select(*columns).toArrow()
+        read = tables.read_few(name, columns, published.run_id, published.attempt_id)
+        assert read.num_rows == expected.num_rows > 0
+        assert read.schema == expected.schema
+        assert read.sort_by(order).equals(expected.sort_by(order))

@@ -2,9 +2,11 @@
 and the rows and schemas as Delta stores them. kfed_spark.store.output builds the location's checks,
 appends, reports and views on these.
 
-Only SQL and DataFrame reads and writes: no DeltaTable Python API, which Spark Connect lacks without
-Delta's Connect plugin on the server. What the tables hold (names, schemas, comments, partitioning,
-statistics columns, the published rule) is kfed_spark.store.tables.
+Spark writes every table, through SQL and DataFrames: no delta-spark DeltaTable Python API, which Spark
+Connect lacks without Delta's Connect plugin on the server. Tables that hold few rows (runs, one attempt's
+model) are read by delta-rs where this process reaches them itself (TableStore.read_few). What the tables
+hold (names, schemas, comments, partitioning, statistics columns, the published rule) is
+kfed_spark.store.tables.
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+from deltalake import DeltaTable, QueryBuilder
+from deltalake.exceptions import DeltaError
 from pyspark.errors import AnalysisException
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ArrayType, DataType, DoubleType, MapType, StructField, StructType, UserDefinedType
 
 from kfed_spark.config import OutputConfig
+from kfed_spark.errors import first_line
 from kfed_spark.spark.input import URI_PATTERN, absolute
 from kfed_spark.store.tables import (
     STREAM_TABLES,
@@ -176,6 +181,46 @@ def s3a_filesystem(path: str, hadoop_setting: Callable[[str], str | None]) -> tu
     return pafs.S3FileSystem(**{k: v for k, v in options.items() if v is not None}), f"{bucket}{where.path}".rstrip("/")
 
 
+def delta_rs_rows(path: str, frame: DataFrame, run_id: str | None, attempt_id: str | None) -> pa.Table:
+    """The rows of the Delta table at a local path (of the run id's and attempt's partitions, where given) in
+    frame's columns and the Arrow types Spark's toArrow() gives frame, read by delta-rs's own query engine
+    (a pyarrow dataset over delta-rs's filesystem can abort the process as it exits)."""
+    large = frame.sparkSession.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false") == "true"
+    schema = to_arrow_schema(frame.schema, timezone="UTC", prefers_large_types=large)
+    ids = (("run_id", run_id), ("attempt_id", attempt_id))
+    where = " AND ".join(column + " = " + standard_sql(value, "'") for column, value in ids if value is not None)
+    columns = ", ".join(standard_sql(name, '"') for name in schema.names)
+    query = f"SELECT {columns} FROM few" + (f" WHERE {where}" if where else "")
+    return pa.table(QueryBuilder().register("few", DeltaTable(path)).execute(query).read_all()).cast(schema)
+
+
+def standard_sql(text: str, quote: str) -> str:
+    """A string literal (quote ') or a name (quote ") in standard SQL, as delta-rs's engine takes it: the quote
+    doubled inside (Spark SQL's own literals escape with backslashes instead: sql_string)."""
+    return quote + text.replace(quote, quote * 2) + quote
+
+
+def collected(table: pa.Table) -> list[dict]:
+    """Arrow rows as the values Spark's collect() gives (Row.asDict()): timestamps as naive local times,
+    maps as dicts, structs as Rows."""
+    kinds = {field.name: field.type for field in table.schema}
+    return [{name: _collected(value, kinds[name]) for name, value in row.items()} for row in table.to_pylist()]
+
+
+def _collected(value, kind: pa.DataType):
+    if value is None:
+        return None
+    if pa.types.is_timestamp(kind):
+        return value.astimezone().replace(tzinfo=None) if value.tzinfo else value
+    if pa.types.is_map(kind):
+        return {key: _collected(item, kind.item_type) for key, item in value}
+    if pa.types.is_struct(kind):
+        return Row(**{field.name: _collected(value[field.name], field.type) for field in kind})
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return [_collected(item, kind.value_type) for item in value]
+    return value
+
+
 def attempt_filter(run_id: str, attempt_id: str) -> str:
     """The SQL predicate of one attempt's partition (both ids are checked against strict patterns)."""
     return f"{run_filter(run_id)} AND attempt_id = '{attempt_id}'"
@@ -214,6 +259,44 @@ class TableStore:
     def read(self, name: str) -> DataFrame:
         """Every row of a table, of every attempt, published or not."""
         return self.spark.read.format("delta").load(self.path(name))
+
+    def read_few(
+        self, name: str, columns: Sequence[str] = (), run_id: str | None = None, attempt_id: str | None = None
+    ) -> pa.Table:
+        """The rows of a table that holds few (every attempt's, a run id's or an attempt's partitions; the
+        columns named, or all) as Arrow, with the types Spark's toArrow() gives them.
+
+        Where this process reaches the table as Spark does (a path on its own filesystem, a classic
+        session), delta-rs reads them in this process, in about a tenth of a second. Spark's first read of
+        a Delta table in a fresh JVM replays the table's log through plans it compiles and warms up for
+        seconds; a run reads its runs rows and the model it continues before anything else, and would wait
+        for that. Elsewhere (object
+        storage, whose credentials are the session's; Spark Connect, whose tables are the server's) and
+        where delta-rs cannot read the table, Spark reads them."""
+        frame = self.read(name)
+        if columns:
+            frame = frame.select(*columns)
+        local = self.local_path(name)
+        if local is not None:
+            try:
+                return delta_rs_rows(local, frame, run_id, attempt_id)
+            except DeltaError as exc:
+                log.warning("delta-rs cannot read %s, Spark reads it: %s", self.path(name), first_line(exc))
+        if run_id is not None:
+            frame = frame.filter(F.col("run_id") == F.lit(run_id))
+        if attempt_id is not None:
+            frame = frame.filter(F.col("attempt_id") == F.lit(attempt_id))
+        return frame.toArrow()
+
+    def local_path(self, name: str) -> str | None:
+        """The table's path on this process's filesystem, where its session is a classic one (under Spark
+        Connect the paths are the server's); None for object storage and other remote filesystems."""
+        if type(self.spark).__module__.startswith("pyspark.sql.connect"):
+            return None
+        path = self.path(name)
+        if path.startswith("file:"):
+            return urlparse(path).path
+        return None if URI_PATTERN.match(path) else path
 
     def exists(self, name: str) -> bool:
         try:

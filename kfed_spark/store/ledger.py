@@ -34,11 +34,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from pyspark.sql import Column
-
 from kfed_spark.errors import AttemptConflict, ConfigError, KFedError, first_line
 from kfed_spark.runtime.stopping import despite_the_stop
-from kfed_spark.store.delta import attempt_filter, rows_frame, run_filter
+from kfed_spark.store.delta import collected, rows_frame
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import (
     ABANDONED,
@@ -98,19 +96,17 @@ class Ledger:
         self.publishing: set[tuple[str, str]] = set()
         """(run id, attempt id) of the attempts this process began to publish."""
 
-    def rows(self, where: str | Column | None = None) -> list[RunRecord]:
-        """Every runs row, or those of the partitions a predicate on run_id and attempt_id selects (SQL, or a
-        Column for a run id as a user typed it): Delta then reads only their files, where the whole table is a
-        file per attempt the location ever ran."""
-        runs = self.tables.read("runs")
-        return [RunRecord.of(row.asDict()) for row in (runs if where is None else runs.filter(where)).collect()]
+    def rows(self, run_id: str | None = None, attempt_id: str | None = None) -> list[RunRecord]:
+        """Every runs row, or those of a run id's partitions, or of an attempt's: only their files are read,
+        where the whole table is a file per attempt the location ever ran."""
+        return [RunRecord.of(values) for values in collected(self.tables.read_few("runs", (), run_id, attempt_id))]
 
-    def rows_if_any(self, where: str | Column | None = None) -> list[RunRecord]:
-        """rows(where), or none where the location has no runs table yet."""
-        return self.rows(where) if self.tables.check_log("runs") else []
+    def rows_if_any(self, run_id: str | None = None) -> list[RunRecord]:
+        """rows(run_id), or none where the location has no runs table yet."""
+        return self.rows(run_id) if self.tables.check_log("runs") else []
 
     def row_of(self, run_id: str, attempt_id: str) -> RunRecord | None:
-        found = self.rows(attempt_filter(run_id, attempt_id))
+        found = self.rows(run_id, attempt_id)
         return found[0] if found else None
 
     def status_of(self, run_id: str, attempt_id: str) -> str | None:
@@ -150,7 +146,7 @@ class Ledger:
         after it (its partitions only: the time to read them does not grow with the location's age)."""
         self.publishing.add((attempt.run_id, attempt.attempt_id))
         self.write(row.changed(status=SUCCEEDED, publish_seq=attempt.publish_seq), fence=attempt.publish_seq)
-        rows = self.rows(run_filter(attempt.run_id))
+        rows = self.rows(attempt.run_id)
         landed = next((r for r in rows if (r.run_id, r.attempt_id) == (attempt.run_id, attempt.attempt_id)), None)
         if landed is None or landed.status != SUCCEEDED:
             winner = published_attempts(rows).get(attempt.run_id)

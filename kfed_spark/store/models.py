@@ -21,7 +21,7 @@ from kfed_spark.errors import ConfigError, KFedError
 from kfed_spark.params import AlgorithmParams
 from kfed_spark.spark.columns import LOCAL_CENTER_COLUMNS
 from kfed_spark.spark.input import absolute
-from kfed_spark.store.delta import attempt_filter, concurrently
+from kfed_spark.store.delta import concurrently
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import RunRecord
 
@@ -108,14 +108,11 @@ def published_run(tables: OutputTables, run_id: str | None = None) -> RunRecord:
     """The runs row of the run id's published attempt (by default the newest succeeded run's), or a one-line
     error. Which attempt is published is found from the runs rows as read (ledger.published_rows), not by a query
     of the published views, which aggregates over runs, a plan that costs seconds in a fresh JVM; callers then
-    read that attempt's own partitions (attempt_filter). A named run's rows are read alone: runs keeps a file
+    read that attempt's own partitions (TableStore.read_few). A named run's rows are read alone: runs keeps a file
     per attempt the location ever ran."""
-    from pyspark.sql import functions as F
-
     from kfed_spark.store.ledger import Ledger, newest, published_rows  # here: the estimator imports this module
 
-    where = None if run_id is None else F.col("run_id") == F.lit(run_id)
-    found = published_rows(Ledger(tables).rows_if_any(where)) if tables.check_log("centers") else []
+    found = published_rows(Ledger(tables).rows_if_any(run_id)) if tables.check_log("centers") else []
     row = newest(found) if run_id is None else next(iter(found), None)
     if row is None:
         if run_id is None:
@@ -126,14 +123,8 @@ def published_run(tables: OutputTables, run_id: str | None = None) -> RunRecord:
 
 def attempt_model(tables: OutputTables, run_id: str, attempt_id: str, config: dict | None = None) -> StoredModel:
     """The model an attempt of a run wrote (its centers and local centers), read beside each other."""
-    attempt = attempt_filter(run_id, attempt_id)
-    read = {
-        "centers": lambda: tables.read("centers").filter(attempt).select("cluster_id", "center").toArrow(),
-        "local_centers": lambda: (
-            tables.read("local_centers").filter(attempt).select(*LOCAL_CENTER_COLUMNS, "cluster_id").toArrow()
-        ),
-    }
-    tables_read = concurrently(lambda name: read[name](), list(read))
+    columns = {"centers": ["cluster_id", "center"], "local_centers": [*LOCAL_CENTER_COLUMNS, "cluster_id"]}
+    tables_read = concurrently(lambda name: tables.read_few(name, columns[name], run_id, attempt_id), list(columns))
     centers = tables_read["centers"]
     return StoredModel.of(
         np.array(centers.column("center").to_pylist(), dtype=np.float64).reshape(len(centers), -1),
