@@ -270,9 +270,8 @@ class TableStore:
         session), delta-rs reads them in this process, in about a tenth of a second. Spark's first read of
         a Delta table in a fresh JVM replays the table's log through plans it compiles and warms up for
         seconds; a run reads its runs rows and the model it continues before anything else, and would wait
-        for that. Elsewhere (object
-        storage, whose credentials are the session's; Spark Connect, whose tables are the server's) and
-        where delta-rs cannot read the table, Spark reads them."""
+        for that. Elsewhere (object storage, whose credentials are the session's; Spark Connect, whose
+        tables are the server's) and where delta-rs cannot read the table, Spark reads them."""
         frame = self.read(name)
         if columns:
             frame = frame.select(*columns)
