@@ -292,10 +292,8 @@ class TableStore:
         Connect the paths are the server's); None for object storage and other remote filesystems."""
         if type(self.spark).__module__.startswith("pyspark.sql.connect"):
             return None
-        path = self.path(name)
-        if path.startswith("file:"):
-            return urlparse(path).path
-        return None if URI_PATTERN.match(path) else path
+        located = self.filesystem(self.path(name))
+        return located[1] if located is not None and isinstance(located[0], pafs.LocalFileSystem) else None
 
     def exists(self, name: str) -> bool:
         try:
