@@ -145,9 +145,10 @@ def test_every_column_of_every_table_is_nullable_at_every_depth(published_run):
 
 
 def test_a_runs_row_reaches_spark_whole_and_without_a_python_task(spark, published_run):
-    """delta.rows_frame, which writes every runs row: a record as read back from the runs table (its datetimes
-    naive, as Spark returns them), with a k sweep's structs added, makes a frame that holds it whole, built on the
-    driver: a frame from a Python list would be an RDD whose every pass starts Python tasks."""
+    """delta.rows_frame, as the runs rows reach Spark where Spark writes them: a record as read back from the
+    runs table (its datetimes naive, as Spark returns them), with a k sweep's structs added, makes a frame that
+    holds it whole, built on the driver: a frame from a Python list would be an RDD whose every pass starts
+    Python tasks."""
     (row,) = runs_of(spark, published_run[1])
     record = RunRecord.of(row.asDict()).changed(k_sweep=[(2, 1.0, 2.0, 0.5, None, 0.25)], k_range=[2, 3])
     frame = rows_frame(spark, [record.values()], RUNS_SCHEMA)
@@ -237,3 +238,56 @@ def test_the_few_row_tables_read_without_spark_are_what_spark_reads(spark, confi
         assert read.num_rows == expected.num_rows > 0
         assert read.schema == expected.schema
         assert read.sort_by(order).equals(expected.sort_by(order))
+
+
+def test_runs_rows_written_without_spark_keep_deltas_publish_fence_with_spark_writers(spark, config):
+    """TableStore.write_few commits a runs row with delta-rs on a local path (a fresh JVM's first Delta commit costs
+    seconds), keeping Delta's idempotent-write rule that makes a publish first-come-first-served: a fence that
+    Spark committed skips delta-rs's write of it, and the other way round, also once delta-rs has checkpointed the
+    log. The rows, and each commit's userMetadata, read in Spark as Spark's own writes do; a table whose protocol
+    someone raised past the one kfed-spark creates is written by Spark."""
+    from pyspark.sql import functions as F
+
+    from kfed_spark.store.delta import attempt_filter, rows_table
+
+    tables, ledger, begun = begun_attempts(spark, config, ("day1",), {"runs": RUNS_SCHEMA})
+    attempt, row = begun["day1"]
+    assert tables.local_path("runs") is not None  # delta-rs writes it
+    fence = f"kfed-spark-publish:{row.run_id}"
+
+    def by_spark(changed, number):
+        frame = spark.createDataFrame(rows_table([changed.values()], RUNS_SCHEMA), RUNS_SCHEMA)
+        options = {"replaceWhere": attempt_filter(row.run_id, row.attempt_id), "txnAppId": fence}
+        tables._write(frame, "runs", "overwrite", "by Spark", txnVersion=str(number), **options)
+
+    def status():
+        (read,) = [RunRecord.of(r.asDict()) for r in tables.read("runs").collect()]
+        return read.status, read.error
+
+    by_spark(row.changed(error="Spark 1"), 1)
+    ledger.write(row.changed(error="delta-rs 1"), fence=1)
+    assert status() == ("running", "Spark 1")
+    ledger.write(row.changed(error="delta-rs 2"), fence=2)
+    assert status() == ("running", "delta-rs 2")
+    by_spark(row.changed(error="Spark 2"), 2)
+    assert status() == ("running", "delta-rs 2")
+
+    DeltaTable(tables.path("runs")).create_checkpoint()
+    by_spark(row.changed(error="Spark 2"), 2)
+    ledger.write(row.changed(error="delta-rs 2"), fence=2)
+    assert status() == ("running", "delta-rs 2")
+    ledger.write(row.changed(status="succeeded", error=None), fence=3)
+    assert status() == ("succeeded", None)
+    assert ledger.rows() == [RunRecord.of(r.asDict()) for r in tables.read("runs").collect()]
+    history = spark.sql(f"DESCRIBE HISTORY {tables.source('runs')}").orderBy("version").collect()
+    note = f"kfed-spark run day1 attempt {attempt.attempt_id}"
+    # created, begun, Spark's fence 1, delta-rs's fence 2, delta-rs's fence 3: no commit for a skipped write
+    assert [commit.userMetadata for commit in history] == [None, note, "by Spark", note, note]
+    assert [commit.engineInfo.startswith("Apache-Spark") for commit in history] == [True, False, True, False, False]
+
+    # A table someone gave features beyond the plain protocol kfed-spark creates is left to Spark.
+    spark.sql(f"ALTER TABLE {tables.source('runs')} SET TBLPROPERTIES ('delta.enableDeletionVectors' = true)")
+    ledger.write(row.changed(status="succeeded", error="by Spark"))
+    assert status() == ("succeeded", "by Spark")
+    last = spark.sql(f"DESCRIBE HISTORY {tables.source('runs')}").orderBy(F.desc("version")).first()
+    assert last.engineInfo.startswith("Apache-Spark") and last.userMetadata == note

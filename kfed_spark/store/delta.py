@@ -2,9 +2,10 @@
 and the rows and schemas as Delta stores them. kfed_spark.store.output builds the location's checks,
 appends, reports and views on these.
 
-Spark writes every table, through SQL and DataFrames: no delta-spark DeltaTable Python API, which Spark
+Spark writes the tables, through SQL and DataFrames: no delta-spark DeltaTable Python API, which Spark
 Connect lacks without Delta's Connect plugin on the server. Tables that hold few rows (runs, one attempt's
-model) are read by delta-rs where this process reaches them itself (TableStore.read_few). What the tables
+model) are read by delta-rs where this process reaches them itself (TableStore.read_few), and there the
+runs rows are written by delta-rs too (TableStore.write_few). What the tables
 hold (names, schemas, comments, partitioning, statistics columns, the published rule) is
 kfed_spark.store.tables.
 """
@@ -12,6 +13,7 @@ kfed_spark.store.tables.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -24,7 +26,7 @@ from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-from deltalake import DeltaTable, QueryBuilder
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake.exceptions import DeltaError
 from pyspark.errors import AnalysisException
 from pyspark.ml.functions import vector_to_array
@@ -104,12 +106,10 @@ def quoted(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def rows_frame(spark: SparkSession, rows: Sequence[tuple], schema: StructType) -> DataFrame:
-    """A DataFrame of a few rows made on the driver (a runs row, a run's centers), sent to the JVM as Arrow.
-    From a list Spark would make an RDD whose every pass runs Python tasks, in a Python daemon of their own
-    beside the one of the job's Arrow passes: a fresh run started, and imported into, two. A naive datetime
-    is local time, as Spark takes it from a list."""
-    table = pa.Table.from_pylist(
+def rows_table(rows: Sequence[tuple], schema: StructType) -> pa.Table:
+    """A few rows made on the driver (a runs row, a run's centers) as Arrow in the types Spark gives schema.
+    A naive datetime is local time, as Spark takes it from a list."""
+    return pa.Table.from_pylist(
         [
             {
                 name: value.astimezone(timezone.utc) if isinstance(value, datetime) else value
@@ -119,7 +119,13 @@ def rows_frame(spark: SparkSession, rows: Sequence[tuple], schema: StructType) -
         ],
         schema=to_arrow_schema(schema, timezone="UTC"),
     )
-    return spark.createDataFrame(table, schema)
+
+
+def rows_frame(spark: SparkSession, rows: Sequence[tuple], schema: StructType) -> DataFrame:
+    """rows_table(rows, schema) as a DataFrame, sent to the JVM as Arrow. From a list Spark would make an RDD
+    whose every pass runs Python tasks, in a Python daemon of their own beside the one of the job's Arrow
+    passes: a fresh run started, and imported into, two."""
+    return spark.createDataFrame(rows_table(rows, schema), schema)
 
 
 def stored_columns(df: DataFrame) -> DataFrame:
@@ -181,17 +187,39 @@ def s3a_filesystem(path: str, hadoop_setting: Callable[[str], str | None]) -> tu
     return pafs.S3FileSystem(**{k: v for k, v in options.items() if v is not None}), f"{bucket}{where.path}".rstrip("/")
 
 
-def delta_rs_rows(path: str, frame: DataFrame, run_id: str | None, attempt_id: str | None) -> pa.Table:
+def delta_rs_rows(
+    path: str, columns: Sequence[str], run_id: str | None, attempt_id: str | None, large: bool
+) -> pa.Table:
     """The rows of the Delta table at a local path (of the run id's and attempt's partitions, where given) in
-    frame's columns and the Arrow types Spark's toArrow() gives frame, read by delta-rs's own query engine
-    (a pyarrow dataset over delta-rs's filesystem can abort the process as it exits)."""
-    large = frame.sparkSession.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false") == "true"
-    schema = to_arrow_schema(frame.schema, timezone="UTC", prefers_large_types=large)
+    the columns named (or all), with the Arrow types Spark's toArrow() gives them (`large`: Spark's
+    spark.sql.execution.arrow.useLargeVarTypes), read by delta-rs's own query engine (a pyarrow dataset
+    over delta-rs's filesystem can abort the process as it exits). A Delta table's schema is Spark's
+    StructType in JSON."""
+    table = DeltaTable(path)
+    stored = StructType.fromJson(json.loads(table.schema().to_json()))
+    schema = to_arrow_schema(
+        StructType([stored[name] for name in columns]) if columns else stored,
+        timezone="UTC",
+        prefers_large_types=large,
+    )
+    where = partitions_where(run_id, attempt_id)
+    names = ", ".join(standard_sql(name, '"') for name in schema.names)
+    query = f"SELECT {names} FROM few" + (f" WHERE {where}" if where else "")
+    return pa.table(QueryBuilder().register("few", table).execute(query).read_all()).cast(schema)
+
+
+def partitions_where(run_id: str | None, attempt_id: str | None) -> str:
+    """The standard-SQL predicate of a run id's partitions, or an attempt's ("" for every partition)."""
     ids = (("run_id", run_id), ("attempt_id", attempt_id))
-    where = " AND ".join(column + " = " + standard_sql(value, "'") for column, value in ids if value is not None)
-    columns = ", ".join(standard_sql(name, '"') for name in schema.names)
-    query = f"SELECT {columns} FROM few" + (f" WHERE {where}" if where else "")
-    return pa.table(QueryBuilder().register("few", DeltaTable(path)).execute(query).read_all()).cast(schema)
+    return " AND ".join(column + " = " + standard_sql(value, "'") for column, value in ids if value is not None)
+
+
+def by_name(rows: pa.Table, schema: pa.Schema) -> pa.Table:
+    """rows in schema's columns, order and types, matched by name; a column the rows lack is null (as Spark
+    appends by name)."""
+    return pa.table(
+        {f.name: rows[f.name] if f.name in rows.column_names else pa.nulls(len(rows), f.type) for f in schema}
+    ).cast(schema)
 
 
 def standard_sql(text: str, quote: str) -> str:
@@ -272,20 +300,79 @@ class TableStore:
         seconds; a run reads its runs rows and the model it continues before anything else, and would wait
         for that. Elsewhere (object storage, whose credentials are the session's; Spark Connect, whose
         tables are the server's) and where delta-rs cannot read the table, Spark reads them."""
+        local = self.local_path(name)
+        if local is not None:
+            large = self.spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false") == "true"
+            try:
+                return delta_rs_rows(local, columns, run_id, attempt_id, large)
+            except DeltaError as exc:
+                log.warning("delta-rs cannot read %s, Spark reads it: %s", self.path(name), first_line(exc))
         frame = self.read(name)
         if columns:
             frame = frame.select(*columns)
-        local = self.local_path(name)
-        if local is not None:
-            try:
-                return delta_rs_rows(local, frame, run_id, attempt_id)
-            except DeltaError as exc:
-                log.warning("delta-rs cannot read %s, Spark reads it: %s", self.path(name), first_line(exc))
         if run_id is not None:
             frame = frame.filter(F.col("run_id") == F.lit(run_id))
         if attempt_id is not None:
             frame = frame.filter(F.col("attempt_id") == F.lit(attempt_id))
         return frame.toArrow()
+
+    def write_few(
+        self,
+        name: str,
+        rows: pa.Table,
+        schema: StructType,
+        note: str,
+        attempt: tuple[str, str] | None = None,
+        fence: tuple[str, int] | None = None,
+    ) -> None:
+        """Append rows (schema's, as rows_table makes them) to a table that holds few, or replace an attempt's
+        rows (`attempt`: run id, attempt id) with them, in one commit whose userMetadata is `note`.
+
+        With fence (app id, number) the commit carries Delta's idempotent-write marker (txnAppId, txnVersion),
+        and is skipped, as Delta skips it, where the table has committed that number or a higher one for the app.
+
+        Where this process reaches the table as Spark does (local_path), delta-rs commits it in this process
+        (delta_rs_wrote), in a few hundredths of a second: Spark's first commit in a fresh JVM compiles and
+        warms up its write path for seconds, and a replacing one first replays the table's log to find the
+        attempt's files. Elsewhere Spark commits it."""
+        local = self.local_path(name)
+        if local is not None and self.delta_rs_wrote(local, name, rows, note, attempt, fence):
+            return
+        mode, options = ("append", {}) if attempt is None else ("overwrite", {"replaceWhere": attempt_filter(*attempt)})
+        if fence is not None:
+            options.update(txnAppId=fence[0], txnVersion=str(fence[1]))
+        self._write(self.spark.createDataFrame(rows, schema), name, mode, note, **options)
+
+    def delta_rs_wrote(
+        self,
+        local: str,
+        name: str,
+        rows: pa.Table,
+        note: str,
+        attempt: tuple[str, str] | None,
+        fence: tuple[str, int] | None,
+    ) -> bool:
+        """write_few by delta-rs, under the table's write lock (writing), the rows matched to the table's columns
+        by name; False, having written nothing, where the table's protocol is not the one kfed-spark creates
+        (reader 1, writer 2): delta-rs then leaves a table someone gave other features to, to Spark."""
+        with self.writing(name):
+            table = DeltaTable(local)
+            protocol = table.protocol()
+            if protocol.min_reader_version > 1 or protocol.min_writer_version > 2:
+                return False
+            committed = None if fence is None else table.transaction_version(fence[0])
+            if fence is None or committed is None or committed < fence[1]:
+                write_deltalake(
+                    table,
+                    by_name(rows, pa.schema(table.schema().to_arrow())),
+                    mode="append" if attempt is None else "overwrite",
+                    predicate=None if attempt is None else partitions_where(*attempt),
+                    commit_properties=CommitProperties(
+                        custom_metadata={"userMetadata": note},
+                        app_transactions=None if fence is None else [Transaction(*fence)],
+                    ),
+                )
+        return True
 
     def local_path(self, name: str) -> str | None:
         """The table's path on this process's filesystem, where its session is a classic one (under Spark

@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 
 from kfed_spark.errors import AttemptConflict, ConfigError, KFedError, first_line
 from kfed_spark.runtime.stopping import despite_the_stop
-from kfed_spark.store.delta import collected, rows_frame
+from kfed_spark.store.delta import collected, rows_table
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import (
     ABANDONED,
@@ -115,11 +115,11 @@ class Ledger:
 
     def write(self, row: RunRecord, fence: int | None = None, new: bool = False) -> None:
         """Replace the attempt's row (fenced: see OutputTables.write_attempt_row), or add it if `new`."""
-        frame = rows_frame(self.spark, [row.values()], RUNS_SCHEMA)
+        values = rows_table([row.values()], RUNS_SCHEMA)
         if new:
-            self.tables.add_attempt_row(frame, row.run_id, row.attempt_id)
+            self.tables.add_attempt_row(values, row.run_id, row.attempt_id)
         else:
-            self.tables.write_attempt_row(frame, row.run_id, row.attempt_id, fence)
+            self.tables.write_attempt_row(values, row.run_id, row.attempt_id, fence)
 
     def begin(self, row: RunRecord, known: list[RunRecord] | None = None) -> tuple[Attempt, RunRecord]:
         """Tidy up, then record a new attempt of row.run_id as running. `row` holds the run's settings;

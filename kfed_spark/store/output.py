@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from urllib.parse import urlparse
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, Row
@@ -31,6 +32,7 @@ from kfed_spark.store.tables import (
     LATEST_ATTEMPT,
     PUBLISHED_ATTEMPTS,
     RETRACTED,
+    RUNS_SCHEMA,
     STREAM_TABLES,
 )
 
@@ -216,23 +218,22 @@ class AttemptWrites(TableStore):
 
         concurrently(write, list(frames))
 
-    def add_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str) -> None:
-        """Append a new attempt's first row to `runs`: a plain append, about a third of a replacing commit."""
-        self._write(row, "runs", "append", f"kfed-spark run {run_id} attempt {attempt_id}")
+    def add_attempt_row(self, row: pa.Table, run_id: str, attempt_id: str) -> None:
+        """Append a new attempt's first row (rows_table of RUNS_SCHEMA) to `runs`."""
+        self.write_few("runs", row, RUNS_SCHEMA, f"kfed-spark run {run_id} attempt {attempt_id}")
 
-    def write_attempt_row(self, row: DataFrame, run_id: str, attempt_id: str, fence: int | None = None) -> None:
-        """Replace an attempt's row of `runs` in one commit.
+    def write_attempt_row(self, row: pa.Table, run_id: str, attempt_id: str, fence: int | None = None) -> None:
+        """Replace an attempt's row of `runs` (rows_table of RUNS_SCHEMA) in one commit.
 
         With `fence`, the commit carries Delta's idempotent-write marker (txnAppId per run id,
-        txnVersion = fence): Delta skips it if that run id already committed this or a higher fence,
-        and fails it if another writer commits the same marker at the same moment. That makes the
+        txnVersion = fence): it is skipped if that run id already committed this or a higher fence,
+        and fails if another writer commits the same marker at the same moment. That makes the
         publish of a run id first-come-first-served; the caller reads the row back to learn which.
         """
-        options = {"replaceWhere": attempt_filter(run_id, attempt_id)}
-        if fence is not None:
-            options.update(txnAppId=f"kfed-spark-publish:{run_id}", txnVersion=str(fence))
+        marker = None if fence is None else (f"kfed-spark-publish:{run_id}", fence)
+        note = f"kfed-spark run {run_id} attempt {attempt_id}"
         try:
-            self._write(row, "runs", "overwrite", f"kfed-spark run {run_id} attempt {attempt_id}", **options)
+            self.write_few("runs", row, RUNS_SCHEMA, note, attempt=(run_id, attempt_id), fence=marker)
         except Exception as exc:
             if TRANSACTION_CONFLICT in str(exc):
                 raise AttemptConflict(
