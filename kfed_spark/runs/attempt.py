@@ -15,9 +15,9 @@ from importlib.metadata import version
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from pyspark.sql import DataFrame, Observation, SparkSession
+from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
-from pyspark.sql.types import StructField, StructType
+from pyspark.sql.types import StructType
 
 from kfed_spark.config import KFedConfig
 from kfed_spark.core.evaluation import Evaluation, EvaluationSpec
@@ -37,11 +37,10 @@ from kfed_spark.spark.input import absolute
 from kfed_spark.spark.labelling import label_rows
 from kfed_spark.spark.session import in_background
 from kfed_spark.spark.workers import EVALUATION_COL, SQ_DIST_COL
-from kfed_spark.store.delta import rows_frame
+from kfed_spark.store.delta import rows_table
 from kfed_spark.store.ledger import Attempt, Ledger
 from kfed_spark.store.output import OutputTables
 from kfed_spark.store.tables import (
-    CENTERS_COLUMNS,
     CENTERS_FIELDS,
     K_SWEEP_TYPE,
     RunRecord,
@@ -229,17 +228,14 @@ def write_centers(
     tables: OutputTables, attempt: Attempt, schemas: dict[str, StructType], clustering: Clustering
 ) -> None:
     """Append the attempt's local centers, each with the global cluster it joined, and its global centers."""
-    spark, local, server = clustering.checked.sparkSession, clustering.local, clustering.server
-    tag = attempt_columns(attempt)
+    local, server = clustering.local, clustering.server
     local_with_cluster = local.table.append_column(
         "cluster_id", pa.array(clustering.cluster_ids[server.assignment], type=pa.int32())
     )
-    tables.append(
+    tables.append_arrow(
         {
-            "local_centers": conform(
-                spark.createDataFrame(local_with_cluster), schemas["local_centers"].fields[:-2]
-            ).select("*", *tag),
-            "centers": centers_frame(spark, server, local, clustering.cluster_ids).select(*CENTERS_COLUMNS, *tag),
+            "local_centers": (local_with_cluster, schemas["local_centers"]),
+            "centers": (centers_table(server, local, clustering.cluster_ids), schemas["centers"]),
         },
         attempt.run_id,
         attempt.attempt_id,
@@ -257,12 +253,10 @@ def write_other_tables(
 ) -> None:
     """Append the attempt's device profiles (device_clusters_table), its cluster changes (with identity.mode
     stable; kfed_spark.core.identity.changes_table), its cluster profiles (unless the run writes none:
-    kfed_spark.core.profiles.profiles_table) and its quarantined rows (the input's columns and their reason,
+    kfed_spark.core.profiles.profiles_table), then its quarantined rows (the input's columns and their reason,
     in REASON_COL) if it has any."""
-    tag = attempt_columns(attempt)
-    spark = tables.spark
-    frames = {
-        name: conform(spark.createDataFrame(table), schemas[name].fields[:-2]).select("*", *tag)
+    held = {
+        name: (table, schemas[name])
         for name, table in (
             ("device_clusters", device_profiles),
             ("cluster_changes", changes),
@@ -270,11 +264,12 @@ def write_other_tables(
         )
         if table is not None
     }
+    tables.append_arrow(held, attempt.run_id, attempt.attempt_id)
     if quarantined is not None:
-        frames["quarantine"] = quarantined.withColumnRenamed(REASON_COL, "reason").select(
-            *schemas["quarantine"].names[:-2], *tag
+        quarantine = quarantined.withColumnRenamed(REASON_COL, "reason").select(
+            *schemas["quarantine"].names[:-2], *attempt_columns(attempt)
         )
-    tables.append(frames, attempt.run_id, attempt.attempt_id)
+        tables.append({"quarantine": quarantine}, attempt.run_id, attempt.attempt_id)
     fault_injection.point("tables")
 
 
@@ -335,29 +330,15 @@ def attempt_columns(attempt: Attempt) -> list:
     return [F.lit(attempt.run_id).alias("run_id"), F.lit(attempt.attempt_id).alias("attempt_id")]
 
 
-def conform(df: DataFrame, fields: list[StructField]) -> DataFrame:
-    """df's columns in the order of `fields`, cast where the type differs (an Arrow table built on the
-    driver holds int64 where a table holds int; nullability is left as it is)."""
-    return df.select(
-        *[
-            F.col(f.name)
-            if df.schema[f.name].dataType.simpleString() == f.dataType.simpleString()
-            else F.col(f.name).cast(f.dataType)
-            for f in fields
-        ]
-    )
-
-
-def centers_frame(
-    spark: SparkSession, server: GlobalClusters, local: LocalCenters, cluster_ids: np.ndarray
-) -> DataFrame:
+def centers_table(server: GlobalClusters, local: LocalCenters, cluster_ids: np.ndarray) -> pa.Table:
+    """The centers rows: each global cluster's id, center, rows and devices."""
     k = len(server.centers)
     n_points = np.bincount(server.assignment, weights=local.counts, minlength=k).astype(np.int64)
     device_index = np.unique(local.devices, return_inverse=True)[1]
     cluster_device_pairs = np.unique(np.stack([server.assignment, device_index]), axis=1)
     n_devices = np.bincount(cluster_device_pairs[0], minlength=k)
     rows = [(int(cluster_ids[c]), server.centers[c].tolist(), int(n_points[c]), int(n_devices[c])) for c in range(k)]
-    return rows_frame(spark, rows, StructType(CENTERS_FIELDS))
+    return rows_table(rows, StructType(CENTERS_FIELDS))
 
 
 def write_run_report(

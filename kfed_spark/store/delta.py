@@ -5,7 +5,8 @@ appends, reports and views on these.
 Spark writes the tables, through SQL and DataFrames: no delta-spark DeltaTable Python API, which Spark
 Connect lacks without Delta's Connect plugin on the server. Tables that hold few rows (runs, one attempt's
 model) are read by delta-rs where this process reaches them itself (TableStore.read_few), and there the
-runs rows are written by delta-rs too (TableStore.write_few). What the tables
+rows the driver holds (runs rows, an attempt's centers and profiles) are written by delta-rs too
+(TableStore.write_arrow). What the tables
 hold (names, schemas, comments, partitioning, statistics columns, the published rule) is
 kfed_spark.store.tables.
 """
@@ -316,7 +317,7 @@ class TableStore:
             frame = frame.filter(F.col("attempt_id") == F.lit(attempt_id))
         return frame.toArrow()
 
-    def write_few(
+    def write_arrow(
         self,
         name: str,
         rows: pa.Table,
@@ -325,23 +326,26 @@ class TableStore:
         attempt: tuple[str, str] | None = None,
         fence: tuple[str, int] | None = None,
     ) -> None:
-        """Append rows (schema's, as rows_table makes them) to a table that holds few, or replace an attempt's
-        rows (`attempt`: run id, attempt id) with them, in one commit whose userMetadata is `note`.
+        """Append rows that the driver holds (a runs row, an attempt's centers, its device profiles) to a table
+        whose Spark schema is `schema`, or replace an attempt's rows (`attempt`: run id, attempt id) with them,
+        in one commit whose userMetadata is `note`; the rows' columns are matched to the table's by name
+        (by_name).
 
         With fence (app id, number) the commit carries Delta's idempotent-write marker (txnAppId, txnVersion),
         and is skipped, as Delta skips it, where the table has committed that number or a higher one for the app.
 
-        Where this process reaches the table as Spark does (local_path), delta-rs commits it in this process
-        (delta_rs_wrote), in a few hundredths of a second: Spark's first commit in a fresh JVM compiles and
-        warms up its write path for seconds, and a replacing one first replays the table's log to find the
-        attempt's files. Elsewhere Spark commits it."""
+        Where this process reaches the table as Spark does (local_path), delta-rs commits them in this process
+        (delta_rs_wrote): Spark would ship them to the JVM in one task, run a write job, and in a fresh JVM
+        compile and warm up its write path for seconds first (a replacing commit also replays the table's log
+        to find the attempt's files). Elsewhere Spark commits them."""
         local = self.local_path(name)
         if local is not None and self.delta_rs_wrote(local, name, rows, note, attempt, fence):
             return
         mode, options = ("append", {}) if attempt is None else ("overwrite", {"replaceWhere": attempt_filter(*attempt)})
         if fence is not None:
             options.update(txnAppId=fence[0], txnVersion=str(fence[1]))
-        self._write(self.spark.createDataFrame(rows, schema), name, mode, note, **options)
+        frame = self.spark.createDataFrame(by_name(rows, to_arrow_schema(schema, timezone="UTC")), schema)
+        self._write(frame, name, mode, note, **options)
 
     def delta_rs_wrote(
         self,
@@ -352,7 +356,7 @@ class TableStore:
         attempt: tuple[str, str] | None,
         fence: tuple[str, int] | None,
     ) -> bool:
-        """write_few by delta-rs, under the table's write lock (writing), the rows matched to the table's columns
+        """write_arrow by delta-rs, under the table's write lock (writing), the rows matched to the table's columns
         by name; False, having written nothing, where the table's protocol is not the one kfed-spark creates
         (reader 1, writer 2): delta-rs then leaves a table someone gave other features to, to Spark."""
         with self.writing(name):

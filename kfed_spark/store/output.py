@@ -207,6 +207,22 @@ class AttemptWrites(TableStore):
 
         concurrently(write, list(frames))
 
+    def append_arrow(self, held: dict[str, tuple[pa.Table, StructType]], run_id: str, attempt_id: str) -> None:
+        """Append an attempt's rows that the driver holds to several tables (name -> the rows, without the
+        attempt's columns, and the table's schema), each one commit (write_arrow), the commits made
+        concurrently. The rows stay invisible until the attempt is published."""
+        self.attempts_begun.add((run_id, attempt_id))
+
+        def write(name: str) -> None:
+            rows, schema = held[name]
+            tagged = rows.append_column("run_id", pa.array([run_id] * len(rows), pa.string())).append_column(
+                "attempt_id", pa.array([attempt_id] * len(rows), pa.string())
+            )
+            self.write_arrow(name, tagged, schema, f"kfed-spark run {run_id} attempt {attempt_id}")
+            log.info("wrote %s for run %s (attempt %s)", self.path(name), run_id, attempt_id)
+
+        concurrently(write, list(held))
+
     def append_batch(self, frames: dict[str, DataFrame], app_id: str, batch_id: int, note: str) -> None:
         """Append a stream's micro-batch to its tables, each write idempotent: it carries Delta's marker
         (txnAppId = app_id, txnVersion = batch_id), and Delta skips it if the table has committed that
@@ -220,7 +236,7 @@ class AttemptWrites(TableStore):
 
     def add_attempt_row(self, row: pa.Table, run_id: str, attempt_id: str) -> None:
         """Append a new attempt's first row (rows_table of RUNS_SCHEMA) to `runs`."""
-        self.write_few("runs", row, RUNS_SCHEMA, f"kfed-spark run {run_id} attempt {attempt_id}")
+        self.write_arrow("runs", row, RUNS_SCHEMA, f"kfed-spark run {run_id} attempt {attempt_id}")
 
     def write_attempt_row(self, row: pa.Table, run_id: str, attempt_id: str, fence: int | None = None) -> None:
         """Replace an attempt's row of `runs` (rows_table of RUNS_SCHEMA) in one commit.
@@ -233,7 +249,7 @@ class AttemptWrites(TableStore):
         marker = None if fence is None else (f"kfed-spark-publish:{run_id}", fence)
         note = f"kfed-spark run {run_id} attempt {attempt_id}"
         try:
-            self.write_few("runs", row, RUNS_SCHEMA, note, attempt=(run_id, attempt_id), fence=marker)
+            self.write_arrow("runs", row, RUNS_SCHEMA, note, attempt=(run_id, attempt_id), fence=marker)
         except Exception as exc:
             if TRANSACTION_CONFLICT in str(exc):
                 raise AttemptConflict(

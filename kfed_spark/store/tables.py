@@ -241,7 +241,6 @@ CENTERS_FIELDS = [
     StructField("n_devices", LongType(), False),
 ]
 
-CENTERS_COLUMNS = [f.name for f in CENTERS_FIELDS]
 
 CLUSTER_PROFILE_FIELDS = [
     StructField("cluster_id", IntegerType(), False),
