@@ -291,3 +291,18 @@ def test_runs_rows_written_without_spark_keep_deltas_publish_fence_with_spark_wr
     assert status() == ("succeeded", "by Spark")
     last = spark.sql(f"DESCRIBE HISTORY {tables.source('runs')}").orderBy(F.desc("version")).first()
     assert last.engineInfo.startswith("Apache-Spark") and last.userMetadata == note
+
+
+def test_the_runs_log_written_without_spark_is_checkpointed_where_spark_would(spark, config):
+    """A Spark read replays every commit since the table's last checkpoint; delta-rs's own default is one
+    checkpoint per 100 commits, so write_arrow makes one every delta.checkpointInterval commits, Spark's 10."""
+    from pathlib import Path
+
+    tables, ledger, begun = begun_attempts(spark, config, ("day1",), {"runs": RUNS_SCHEMA})
+    _, row = begun["day1"]
+    log = Path(tables.path("runs")) / "_delta_log"
+    for n in range(12):
+        ledger.write(row.changed(pid=n))
+    assert sorted(p.name for p in log.glob("*.checkpoint.parquet")) == ["00000000000000000010.checkpoint.parquet"]
+    assert ledger.rows() == [RunRecord.of(r.asDict()) for r in tables.read("runs").collect()]
+    assert ledger.rows()[0].pid == 11

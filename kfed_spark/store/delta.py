@@ -58,7 +58,10 @@ WRITE_LOCKS = "_kfed_write_locks"
 STATS_COLUMNS_PROPERTY = "delta.dataSkippingStatsColumns"
 """Delta's table property naming the columns whose min, max and null counts each file records.
 Delta's default, the first 32 columns, made every write of a wide table twice as slow."""
-
+CHECKPOINT_INTERVAL_PROPERTY = "delta.checkpointInterval"
+SPARK_CHECKPOINT_INTERVAL = 10
+"""Delta's commits between checkpoints unless the table says otherwise, as Spark keeps them; delta-rs's own
+default is 100, and a Spark read replays every commit since the last checkpoint."""
 LOG_ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint(?:\.\d+\.\d+)?\.parquet|crc)$")
 """A commit, checkpoint or checksum file of a Delta log, by version."""
 TRANSACTION_CONFLICT = "DELTA_CONCURRENT_TRANSACTION"
@@ -194,10 +197,9 @@ def delta_rs_rows(
     """The rows of the Delta table at a local path (of the run id's and attempt's partitions, where given) in
     the columns named (or all), with the Arrow types Spark's toArrow() gives them (`large`: Spark's
     spark.sql.execution.arrow.useLargeVarTypes), read by delta-rs's own query engine (a pyarrow dataset
-    over delta-rs's filesystem can abort the process as it exits). A Delta table's schema is Spark's
-    StructType in JSON."""
+    over delta-rs's filesystem can abort the process as it exits)."""
     table = DeltaTable(path)
-    stored = StructType.fromJson(json.loads(table.schema().to_json()))
+    stored = spark_schema(table)
     schema = to_arrow_schema(
         StructType([stored[name] for name in columns]) if columns else stored,
         timezone="UTC",
@@ -207,6 +209,11 @@ def delta_rs_rows(
     names = ", ".join(standard_sql(name, '"') for name in schema.names)
     query = f"SELECT {names} FROM few" + (f" WHERE {where}" if where else "")
     return pa.table(QueryBuilder().register("few", table).execute(query).read_all()).cast(schema)
+
+
+def spark_schema(table: DeltaTable) -> StructType:
+    """A table's schema as delta-rs reads it, as Spark's StructType: Delta stores it as that type's JSON."""
+    return StructType.fromJson(json.loads(table.schema().to_json()))
 
 
 def partitions_where(run_id: str | None, attempt_id: str | None) -> str:
@@ -357,8 +364,9 @@ class TableStore:
         fence: tuple[str, int] | None,
     ) -> bool:
         """write_arrow by delta-rs, under the table's write lock (writing), the rows matched to the table's columns
-        by name; False, having written nothing, where the table's protocol is not the one kfed-spark creates
-        (reader 1, writer 2): delta-rs then leaves a table someone gave other features to, to Spark."""
+        by name, with a checkpoint where Spark would make one (every delta.checkpointInterval commits). False,
+        having written nothing, where the table's protocol is not the one kfed-spark creates (reader 1, writer 2):
+        delta-rs then leaves a table someone gave other features to, to Spark."""
         with self.writing(name):
             table = DeltaTable(local)
             protocol = table.protocol()
@@ -376,7 +384,18 @@ class TableStore:
                         app_transactions=None if fence is None else [Transaction(*fence)],
                     ),
                 )
+                interval = table.metadata().configuration.get(CHECKPOINT_INTERVAL_PROPERTY) or SPARK_CHECKPOINT_INTERVAL
+                if table.version() % int(interval) == 0:
+                    table.create_checkpoint()
         return True
+
+    def stored_schema(self, name: str) -> StructType:
+        """A table's schema as Delta stores it: read by delta-rs where this process reaches the table
+        (local_path), by Spark elsewhere."""
+        local = self.local_path(name)
+        if local is None:
+            return self.read(name).schema
+        return spark_schema(DeltaTable(local))
 
     def local_path(self, name: str) -> str | None:
         """The table's path on this process's filesystem, where its session is a classic one (under Spark

@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+from deltalake.exceptions import DeltaError
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
@@ -124,8 +125,8 @@ class LocationChecks(TableStore):
         nullable columns this version added that the table lacks (an older version wrote it), which
         prepare adds."""
         try:
-            existing_schema = self.read(name).schema
-        except AnalysisException as exc:
+            existing_schema = self.stored_schema(name)
+        except (AnalysisException, DeltaError) as exc:
             raise KFedError(f"cannot read output table {self.path(name)}: {first_line(exc)}") from None
         stored = [stored_field(name, f) for f in schema.fields]
         existing = {(f.name, f.dataType.simpleString()) for f in existing_schema.fields}
