@@ -6,9 +6,8 @@ Spark writes the tables, through SQL and DataFrames: no delta-spark DeltaTable P
 Connect lacks without Delta's Connect plugin on the server. Tables that hold few rows (runs, one attempt's
 model) are read by delta-rs where this process reaches them itself (TableStore.read_few), and there the
 rows the driver holds (runs rows, an attempt's centers and profiles) are written by delta-rs too
-(TableStore.write_arrow). What the tables
-hold (names, schemas, comments, partitioning, statistics columns, the published rule) is
-kfed_spark.store.tables.
+(TableStore.write_arrow). What the tables hold (names, schemas, comments, partitioning, statistics
+columns, the published rule) is kfed_spark.store.tables.
 """
 
 from __future__ import annotations

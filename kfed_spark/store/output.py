@@ -42,6 +42,11 @@ MULTI_DRIVER_S3_LOG_STORE = "io.delta.storage.S3DynamoDBLogStore"
 """Delta's log store whose commits exclude each other across drivers on S3 (delta-storage-s3-dynamodb)."""
 
 
+def attempt_note(run_id: str, attempt_id: str) -> str:
+    """The userMetadata of an attempt's commits: which run and attempt wrote them (DESCRIBE HISTORY)."""
+    return f"kfed-spark run {run_id} attempt {attempt_id}"
+
+
 class LocationChecks(TableStore):
     """The checks made before any work (intact logs, the same schemas, a writable folder), and
     preparing the location: adding the columns an older version lacks, creating missing tables."""
@@ -203,7 +208,7 @@ class AttemptWrites(TableStore):
         self.attempts_begun.add((run_id, attempt_id))
 
         def write(name: str) -> None:
-            self._write(frames[name], name, "append", f"kfed-spark run {run_id} attempt {attempt_id}")
+            self._write(frames[name], name, "append", attempt_note(run_id, attempt_id))
             log.info("wrote %s for run %s (attempt %s)", self.path(name), run_id, attempt_id)
 
         concurrently(write, list(frames))
@@ -219,7 +224,7 @@ class AttemptWrites(TableStore):
             tagged = rows.append_column("run_id", pa.array([run_id] * len(rows), pa.string())).append_column(
                 "attempt_id", pa.array([attempt_id] * len(rows), pa.string())
             )
-            self.write_arrow(name, tagged, schema, f"kfed-spark run {run_id} attempt {attempt_id}")
+            self.write_arrow(name, tagged, schema, attempt_note(run_id, attempt_id))
             log.info("wrote %s for run %s (attempt %s)", self.path(name), run_id, attempt_id)
 
         concurrently(write, list(held))
@@ -237,7 +242,7 @@ class AttemptWrites(TableStore):
 
     def add_attempt_row(self, row: pa.Table, run_id: str, attempt_id: str) -> None:
         """Append a new attempt's first row (rows_table of RUNS_SCHEMA) to `runs`."""
-        self.write_arrow("runs", row, RUNS_SCHEMA, f"kfed-spark run {run_id} attempt {attempt_id}")
+        self.write_arrow("runs", row, RUNS_SCHEMA, attempt_note(run_id, attempt_id))
 
     def write_attempt_row(self, row: pa.Table, run_id: str, attempt_id: str, fence: int | None = None) -> None:
         """Replace an attempt's row of `runs` (rows_table of RUNS_SCHEMA) in one commit.
@@ -248,7 +253,7 @@ class AttemptWrites(TableStore):
         publish of a run id first-come-first-served; the caller reads the row back to learn which.
         """
         marker = None if fence is None else (f"kfed-spark-publish:{run_id}", fence)
-        note = f"kfed-spark run {run_id} attempt {attempt_id}"
+        note = attempt_note(run_id, attempt_id)
         try:
             self.write_arrow("runs", row, RUNS_SCHEMA, note, attempt=(run_id, attempt_id), fence=marker)
         except Exception as exc:
